@@ -1,0 +1,270 @@
+"""From rewards to advantages, as pure functions, in the order of ``docs/algorithm.md``:
+
+1. combine weighted rewards into one score per response (done by ``rewards/``)
+2. normalize the scores (``reward_norm`` with ``reward_shift`` / ``reward_scale``)
+3. clip them (``reward_clip``)
+4. token rewards: the score on the last response token, minus ``kl_coef * KL(old, ref)``
+   on every token when ``add_token_level_kl``
+5. the estimator (``grpo``, ``reinforce``, ``rloo``, ``dr_grpo``)
+6. whiten over all valid tokens (``whiten_advantages``)
+7. clip (``advantage_clip``)
+
+Responses of one group (same prompt) are contiguous: rows ``g*G .. g*G+G-1``.
+Standard deviations are unbiased (Bessel), as in TRL and verl; a group or batch with a
+single value or identical values has std 0 and normalizes to 0, never NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from gspo_lightning.loss import kl_penalty
+
+REWARD_NORMS = (None, "group", "batch", "running")
+ADV_ESTIMATORS = ("grpo", "reinforce", "rloo", "dr_grpo")
+GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo")
+
+# all_reduce(sum) over data-parallel ranks; the identity on one process.
+SumReducer = Callable[[Tensor], Tensor]
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def moments(values: Tensor, mask: Optional[Tensor] = None, reduce_sum: SumReducer = _identity) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean, unbiased std, count)`` of the (masked) values, summed over ranks by ``reduce_sum``."""
+    values = values.double()
+    weights = torch.ones_like(values) if mask is None else mask.double()
+    values = torch.where(weights > 0, values, torch.zeros_like(values))
+    stats = reduce_sum(torch.stack([weights.sum(), (values * weights).sum(), (values.square() * weights).sum()]))
+    count, total, total_sq = stats[0], stats[1], stats[2]
+    mean = total / count.clamp(min=1)
+    var = (total_sq - count * mean.square()).clamp(min=0) / (count - 1).clamp(min=1)
+    return mean, var.sqrt(), count
+
+
+def group_view(values: Tensor, group_size: int) -> Tensor:
+    if values.dim() != 1 or values.numel() % group_size != 0:
+        raise ValueError(
+            f"expected one value per response with groups of {group_size} contiguous responses, "
+            f"got shape {tuple(values.shape)}"
+        )
+    return values.view(-1, group_size)
+
+
+def group_mean_std(values: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Per-response mean and unbiased std of its group (std 0 for groups of one)."""
+    grouped = group_view(values, group_size)
+    mean = grouped.mean(-1, keepdim=True)
+    if group_size > 1:
+        std = grouped.std(-1, keepdim=True)
+    else:
+        std = torch.zeros_like(mean)
+    return mean.expand_as(grouped).reshape(-1), std.expand_as(grouped).reshape(-1)
+
+
+class RunningMoments:
+    """Mean and std of every reward seen so far (Chan et al.'s parallel update, in float64).
+
+    Its state survives checkpoints through :meth:`state_dict` / :meth:`load_state_dict`.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0.0
+        self.mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the mean
+
+    def update(self, values: Tensor, reduce_sum: SumReducer = _identity) -> None:
+        batch_mean, batch_std, batch_count = moments(values, reduce_sum=reduce_sum)
+        n_b = float(batch_count)
+        if n_b == 0:
+            return
+        m2_b = float(batch_std) ** 2 * max(n_b - 1.0, 0.0)
+        n_a, total = self.count, self.count + n_b
+        delta = float(batch_mean) - self.mean
+        self.mean += delta * n_b / total
+        self.m2 += m2_b + delta * delta * n_a * n_b / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return (self.m2 / (self.count - 1.0)) ** 0.5 if self.count > 1 else 0.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def normalize_rewards(
+    rewards: Tensor,
+    group_size: int,
+    reward_norm: Optional[str] = None,
+    *,
+    reward_shift: bool = False,
+    reward_scale: bool = False,
+    running: Optional[RunningMoments] = None,
+    eps: float = 1e-6,
+    reduce_sum: SumReducer = _identity,
+) -> Tensor:
+    """Step 2: ``(r - mean) / (std + eps)`` over the group, the batch or the running history.
+
+    ``reward_shift`` only subtracts the mean, ``reward_scale`` only divides by the std (both
+    need a ``reward_norm``). ``running`` is updated with this batch before it is used.
+    """
+    if reward_norm not in REWARD_NORMS:
+        raise ValueError(f"reward_norm must be one of {REWARD_NORMS}, got {reward_norm!r}")
+    if reward_shift and reward_scale:
+        raise ValueError("reward_shift and reward_scale are exclusive: set one (or neither, for both shift and scale)")
+    if reward_norm is None:
+        if reward_shift or reward_scale:
+            raise ValueError("reward_shift / reward_scale need a reward_norm (group, batch or running) to take statistics from")
+        return rewards
+    if reward_norm == "group":
+        mean, std = group_mean_std(rewards, group_size)
+    elif reward_norm == "batch":
+        m, s, _ = moments(rewards, reduce_sum=reduce_sum)
+        mean, std = m.to(rewards.dtype), s.to(rewards.dtype)
+    else:
+        if running is None:
+            raise ValueError("reward_norm='running' needs a RunningMoments state")
+        running.update(rewards, reduce_sum=reduce_sum)
+        mean = torch.tensor(running.mean, dtype=rewards.dtype, device=rewards.device)
+        std = torch.tensor(running.std, dtype=rewards.dtype, device=rewards.device)
+    if reward_shift:
+        return rewards - mean
+    if reward_scale:
+        return rewards / (std + eps)
+    return (rewards - mean) / (std + eps)
+
+
+def clip_rewards(rewards: Tensor, reward_clip: Optional[float]) -> Tensor:
+    """Step 3."""
+    if reward_clip is None:
+        return rewards
+    return rewards.clamp(-reward_clip, reward_clip)
+
+
+def token_level_rewards(
+    scores: Tensor,
+    mask: Tensor,
+    *,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k1",
+) -> Tensor:
+    """Step 4: ``(B, T)`` rewards, the score on each response's last valid token, minus
+    ``kl_coef * KL(old, ref)`` on every valid token when reference log-probs are given."""
+    valid = mask.bool()
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    lengths = valid.sum(-1)
+    has_tokens = lengths > 0
+    last = (lengths - 1).clamp(min=0)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    rewards[rows[has_tokens], last[has_tokens]] = scores[has_tokens]
+    if ref_logprobs is not None and kl_coef != 0.0:
+        if old_logprobs is None:
+            raise ValueError("token-level KL needs old_logprobs")
+        kl = kl_penalty(old_logprobs, ref_logprobs, kl_estimator).to(scores.dtype)
+        rewards = rewards - kl_coef * torch.where(valid, kl, torch.zeros_like(kl))
+    return rewards
+
+
+def compute_advantages(
+    token_rewards: Tensor,
+    mask: Tensor,
+    group_size: int,
+    estimator: str = "grpo",
+    *,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Step 5: ``(B, T)`` advantages from ``(B, T)`` token rewards.
+
+    - ``grpo``: ``(R_i - mean_group) / (std_group + eps)`` with ``R_i`` the sum of the
+      response's token rewards, the same on every token.
+    - ``reinforce``: return-to-go (gamma = 1) of the token rewards.
+    - ``rloo``: ``R_i`` minus the mean of the other ``G - 1`` responses of the group.
+    - ``dr_grpo``: ``R_i - mean_group`` (no std division).
+    """
+    valid = mask.bool()
+    token_rewards = torch.where(valid, token_rewards, torch.zeros_like(token_rewards))
+    if estimator == "reinforce":
+        returns = token_rewards.flip(-1).cumsum(-1).flip(-1)
+        return torch.where(valid, returns, torch.zeros_like(returns))
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"adv_estimator must be one of {ADV_ESTIMATORS}, got {estimator!r}")
+    if group_size < 2:
+        raise ValueError(f"adv_estimator={estimator!r} compares responses within a group: it needs num_return_sequences_in_group >= 2")
+    scores = token_rewards.sum(-1)
+    mean, std = group_mean_std(scores, group_size)
+    if estimator == "grpo":
+        per_response = (scores - mean) / (std + eps)
+    elif estimator == "rloo":
+        per_response = (scores - mean) * group_size / (group_size - 1)
+    else:
+        per_response = scores - mean
+    return torch.where(valid, per_response[:, None].expand_as(token_rewards), torch.zeros_like(token_rewards))
+
+
+def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-6, reduce_sum: SumReducer = _identity) -> Tensor:
+    """Step 6: ``(A - mean) / (std + eps)`` over all valid tokens (of all ranks)."""
+    mean, std, _ = moments(values, mask, reduce_sum=reduce_sum)
+    out = (values - mean.to(values.dtype)) / (std.to(values.dtype) + eps)
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def clip_advantages(advantages: Tensor, advantage_clip: Optional[float]) -> Tensor:
+    """Step 7."""
+    if advantage_clip is None:
+        return advantages
+    return advantages.clamp(-advantage_clip, advantage_clip)
+
+
+def rewards_to_advantages(
+    scores: Tensor,
+    mask: Tensor,
+    group_size: int,
+    *,
+    adv_estimator: str = "grpo",
+    reward_norm: Optional[str] = None,
+    reward_shift: bool = False,
+    reward_scale: bool = False,
+    reward_clip: Optional[float] = None,
+    running: Optional[RunningMoments] = None,
+    add_token_level_kl: bool = False,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k1",
+    whiten_advantages: bool = False,
+    advantage_clip: Optional[float] = None,
+    eps: float = 1e-6,
+    reduce_sum: SumReducer = _identity,
+) -> tuple[Tensor, Tensor]:
+    """Steps 2-7 in order. Returns ``(normalized scores (B,), advantages (B, T))``.
+
+    ``reduce_sum`` sums statistics over data-parallel ranks for the batch-wide steps
+    (batch / running normalization, whitening); group steps need whole groups on one rank.
+    """
+    scores = normalize_rewards(
+        scores, group_size, reward_norm, reward_shift=reward_shift, reward_scale=reward_scale,
+        running=running, eps=eps, reduce_sum=reduce_sum,
+    )
+    scores = clip_rewards(scores, reward_clip)
+    if add_token_level_kl and ref_logprobs is None:
+        raise ValueError("add_token_level_kl needs reference log-probs")
+    token_rewards = token_level_rewards(
+        scores, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs if add_token_level_kl else None,
+        kl_coef=kl_coef, kl_estimator=kl_estimator,
+    )
+    advantages = compute_advantages(token_rewards, mask, group_size, adv_estimator, eps=eps)
+    if whiten_advantages:
+        advantages = whiten(advantages, mask, eps=eps, reduce_sum=reduce_sum)
+    advantages = clip_advantages(advantages, advantage_clip)
+    return scores, advantages

@@ -1,0 +1,60 @@
+"""The ``gspo`` command: ``gspo fit|validate|test --config cfg.yaml [--model.key=value ...]``.
+
+Every constructor argument of ``GSPOModule``, ``PromptDataModule`` and ``Trainer`` is a
+config key; an unknown key is an error naming it; ``--print_config`` shows the result.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+TRAINER_DEFAULTS = {
+    "max_steps": 100,
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 0,
+    # the prompt stream shards itself over ranks and is resumable
+    "use_distributed_sampler": False,
+}
+
+
+class GSPOCLI(LightningCLI):
+    """LightningCLI over GSPOModule and PromptDataModule, with CSV + TensorBoard logging and
+    a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 steps by default)."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+        from jsonargparse import lazy_instance
+
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({
+            "checkpoint.save_last": True,
+            "checkpoint.every_n_train_steps": 50,
+            "checkpoint.save_top_k": 0,
+            "trainer.logger": [
+                lazy_instance(CSVLogger, save_dir="runs", name="gspo"),
+                lazy_instance(TensorBoardLogger, save_dir="runs", name="gspo"),
+            ],
+        })
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    from gspo_lightning.data import PromptDataModule
+    from gspo_lightning.module import GSPOModule
+
+    GSPOCLI(
+        GSPOModule,
+        PromptDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,283 @@
+"""Prompts for rollouts: load, template, tokenize, and stream them endlessly and resumably.
+
+Each training batch is ``rollout_batch_size`` prompts of one step (all ranks together);
+the rollout callback turns it into ``num_return_sequences_in_group`` responses each. The
+stream reshuffles every pass over the data, gives each rank a disjoint share, and can
+restart at any batch, so a resumed run sees the prompts it would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional
+
+import lightning as L
+from torch.utils.data import DataLoader, Sampler
+
+from gspo_lightning.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A data file or row cannot be used; the message names the file and line."""
+
+
+def read_rows(path: str, *, bad_rows: str = "error", num_builtin_rows: int = 20000, seed: int = 0) -> tuple[list[dict], int]:
+    """Rows of a jsonl / json / parquet file, a saved ``datasets`` folder, or ``builtin:<task>``.
+
+    Returns ``(rows, skipped)``; with ``bad_rows="error"`` a malformed jsonl line raises
+    :class:`DataError` naming the file and line.
+    """
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_DATASETS:
+            raise DataError(f"unknown builtin dataset {path!r}; choose one of {sorted(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS)}")
+        return BUILTIN_DATASETS[name](num_builtin_rows, seed), 0
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data path {str(p)!r} does not exist")
+    if p.is_dir():
+        from datasets import load_from_disk
+
+        dataset = load_from_disk(str(p))
+        if hasattr(dataset, "keys"):  # a DatasetDict: take the train split
+            if "train" not in dataset:
+                raise DataError(f"{p} holds splits {list(dataset.keys())}; point at one split's folder")
+            dataset = dataset["train"]
+        return [dict(row) for row in dataset], 0
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist(), 0
+    if p.suffix == ".json":
+        rows = json.loads(p.read_text())
+        if not isinstance(rows, list):
+            raise DataError(f"{p}: a .json data file must hold a list of objects")
+        return rows, 0
+    if p.suffix not in (".jsonl", ".ndjson"):
+        raise DataError(f"{p}: unsupported data format {p.suffix!r}; use .jsonl, .json, .parquet or a datasets folder")
+    rows, skipped = [], 0
+    with open(p) as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            except ValueError as err:
+                if bad_rows == "error":
+                    raise DataError(f"{p}:{line_no}: malformed row ({err}); fix it or set data.bad_rows=skip") from None
+                skipped += 1
+                continue
+            rows.append(row)
+    return rows, skipped
+
+
+class EndlessBatchSampler(Sampler[list[int]]):
+    """Batches of row indices forever: a fresh permutation per pass, this rank's share only.
+
+    Batch ``b`` (counting from 0 over the whole run) is the same on every restart, so
+    resuming only needs ``start_batch``.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0, start_batch: int = 0):
+        global_batch = batch_size * world_size
+        if num_rows < global_batch:
+            raise DataError(f"{num_rows} usable prompts cannot fill one step of {batch_size} prompts x {world_size} ranks")
+        self.num_rows, self.batch_size = num_rows, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed, self.start_batch = shuffle, seed, start_batch
+        self.batches_per_pass = num_rows // global_batch  # the remainder of a pass is dropped
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(self.seed * 100003 + epoch).shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch = self.start_batch
+        while True:
+            epoch, within = divmod(batch, self.batches_per_pass)
+            order = self._order(epoch)
+            start = within * self.batch_size * self.world_size + self.rank * self.batch_size
+            yield order[start:start + self.batch_size]
+            batch += 1
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Prompts for GSPO rollouts.
+
+    Args:
+        path: training prompts: ``.jsonl`` / ``.json`` / ``.parquet`` file, a saved
+            ``datasets`` folder, or ``builtin:echo`` (the offline synthetic task).
+        val_path: held-out prompts for validation (same formats). For a builtin task,
+            ``None`` draws ``val_size`` fresh rows with another seed.
+        val_size: number of validation prompts (``None``: the whole file).
+        prompt_field: the column holding the prompt text.
+        messages_field: a column of chat messages (``[{role, content}, ...]``); when set it
+            is rendered with the tokenizer's chat template instead of ``prompt_field``.
+        prompt_template: optional Python format string over the row's columns, e.g.
+            ``"Question: {question}\\nAnswer:"``; applied before the chat template.
+        use_chat_template: wrap the prompt as one user message with the chat template.
+        system_prompt: a system message placed before the user message (chat template only).
+        rollout_batch_size: prompts per training step over all ranks (ROLL's key).
+        prompt_length: the longest prompt in tokens (ROLL's key).
+        overlong_prompts: ``truncate_left`` keeps the end of a long prompt, ``truncate_right``
+            its beginning, ``drop`` removes it; either way the count is logged.
+        bad_rows: ``error`` stops at a malformed row naming file and line; ``skip`` skips
+            and counts it (also rows missing the prompt column).
+        shuffle: reshuffle the prompts on every pass.
+        seed: seed of the shuffling and of builtin task rows.
+        val_batch_size: prompts per validation batch.
+    """
+
+    def __init__(
+        self,
+        path: str = "builtin:echo",
+        val_path: Optional[str] = None,
+        val_size: Optional[int] = 64,
+        prompt_field: str = "prompt",
+        messages_field: Optional[str] = None,
+        prompt_template: Optional[str] = None,
+        use_chat_template: bool = False,
+        system_prompt: Optional[str] = None,
+        rollout_batch_size: int = 16,
+        prompt_length: int = 512,
+        overlong_prompts: Literal["truncate_left", "truncate_right", "drop"] = "truncate_left",
+        bad_rows: Literal["error", "skip"] = "error",
+        shuffle: bool = True,
+        seed: int = 0,
+        val_batch_size: int = 32,
+    ):
+        super().__init__()
+        if rollout_batch_size < 1:
+            raise ValueError(f"data.rollout_batch_size must be >= 1, got {rollout_batch_size}")
+        if prompt_length < 1:
+            raise ValueError(f"data.prompt_length must be >= 1, got {prompt_length}")
+        self.save_hyperparameters()
+        self.tokenizer = None
+        self.train_rows: list[dict] = []
+        self.val_rows: list[dict] = []
+        self.stats: dict[str, int] = {}
+        self.start_batch = 0
+
+    # -- preparation -------------------------------------------------------------------
+    def _get_tokenizer(self):
+        if self.tokenizer is None and self.trainer is not None:
+            self.tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
+        if self.tokenizer is None:
+            raise RuntimeError("PromptDataModule needs a tokenizer: attach it to a GSPOModule trainer or set .tokenizer")
+        return self.tokenizer
+
+    def render(self, row: dict) -> str:
+        """The prompt text of a row (template and chat template applied)."""
+        hp = self.hparams
+        tokenizer = self._get_tokenizer()
+        if hp.messages_field is not None:
+            messages = row[hp.messages_field]
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = hp.prompt_template.format(**row) if hp.prompt_template else row[hp.prompt_field]
+        if not isinstance(text, str):
+            raise KeyError(f"prompt column {hp.prompt_field!r} holds {type(text).__name__}, not text")
+        if hp.use_chat_template:
+            messages = [{"role": "user", "content": text}]
+            if hp.system_prompt:
+                messages.insert(0, {"role": "system", "content": hp.system_prompt})
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text
+
+    def _prepare(self, rows: list[dict], source: str) -> tuple[list[dict], dict[str, int]]:
+        hp = self.hparams
+        tokenizer = self._get_tokenizer()
+        kept, counts = [], {"truncated": 0, "dropped": 0, "bad": 0}
+        for index, row in enumerate(rows):
+            try:
+                text = self.render(row)
+            except (KeyError, IndexError, TypeError, ValueError) as err:
+                if hp.bad_rows == "error":
+                    raise DataError(f"{source} row {index + 1}: cannot build a prompt ({type(err).__name__}: {err}); "
+                                    f"check data.prompt_field / data.prompt_template, or set data.bad_rows=skip") from None
+                counts["bad"] += 1
+                continue
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if not ids:
+                if hp.bad_rows == "error":
+                    raise DataError(f"{source} row {index + 1}: empty prompt; remove it or set data.bad_rows=skip")
+                counts["bad"] += 1
+                continue
+            if len(ids) > hp.prompt_length:
+                if hp.overlong_prompts == "drop":
+                    counts["dropped"] += 1
+                    continue
+                counts["truncated"] += 1
+                ids = ids[-hp.prompt_length:] if hp.overlong_prompts == "truncate_left" else ids[:hp.prompt_length]
+                text = tokenizer.decode(ids)
+            kept.append({"prompt_ids": ids, "prompt_text": text, "row": row})
+        return kept, counts
+
+    def setup(self, stage: str) -> None:
+        hp = self.hparams
+        if not self.train_rows and stage == "fit":
+            rows, skipped = read_rows(hp.path, bad_rows=hp.bad_rows, seed=hp.seed)
+            self.train_rows, counts = self._prepare(rows, hp.path)
+            counts["bad"] += skipped
+            self.stats = {f"data/train_prompts_{k}": v for k, v in counts.items()}
+            self.stats["data/train_prompts"] = len(self.train_rows)
+            if any(counts.values()):
+                log.warning("training prompts: %d kept, %s", len(self.train_rows), counts)
+        if not self.val_rows:
+            if hp.val_path is not None:
+                rows, _ = read_rows(hp.val_path, bad_rows=hp.bad_rows, seed=hp.seed + 1)
+            elif hp.path.startswith(BUILTIN_PREFIX):
+                rows, _ = read_rows(hp.path, num_builtin_rows=hp.val_size or 64, seed=hp.seed + 7919)
+            else:
+                rows = []
+            if hp.val_size is not None:
+                rows = rows[:hp.val_size]
+            self.val_rows, _ = self._prepare(rows, hp.val_path or hp.path)
+
+    # -- loaders -----------------------------------------------------------------------
+    @staticmethod
+    def collate(items: list[dict]) -> dict[str, Any]:
+        columns = {key: [item["row"][key] for item in items] for key in items[0]["row"]}
+        return {
+            "prompt_ids": [item["prompt_ids"] for item in items],
+            "prompt_text": [item["prompt_text"] for item in items],
+            "columns": columns,
+        }
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        world = self.trainer.world_size if self.trainer is not None else 1
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        if hp.rollout_batch_size % world != 0:
+            raise ValueError(f"data.rollout_batch_size={hp.rollout_batch_size} does not split evenly over {world} ranks; "
+                             f"make it a multiple of {world}")
+        sampler = EndlessBatchSampler(
+            len(self.train_rows), hp.rollout_batch_size // world, rank=rank, world_size=world,
+            shuffle=hp.shuffle, seed=hp.seed, start_batch=self.start_batch,
+        )
+        return DataLoader(self.train_rows, batch_sampler=sampler, collate_fn=self.collate)
+
+    def val_dataloader(self) -> DataLoader:
+        if not self.val_rows:
+            return []
+        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, shuffle=False, collate_fn=self.collate)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    # -- resume ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return {"batches_consumed": int(getattr(module, "rollout_steps", 0))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.start_batch = int(state_dict.get("batches_consumed", 0))

@@ -1,0 +1,61 @@
+"""Evaluation metrics: the unbiased pass@k estimator (Chen et al. 2021, "Evaluating Large
+Language Models Trained on Code")."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = ["pass_at_k", "pass_at_k_from_scores"]
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"pass_at_k: {name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"pass_at_k: {name} must be non-negative, got {value}")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from ``n`` samples of which ``c`` are correct.
+
+    ``1 - C(n - c, k) / C(n, k)``, computed as in the Codex paper with the stable product
+    ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)``. Raises ``ValueError`` for negative
+    arguments, ``k < 1``, ``k > n`` or ``c > n``.
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        _check_count(name, value)
+    if k < 1:
+        raise ValueError(f"pass_at_k: k must be >= 1, got {k}")
+    if k > n:
+        raise ValueError(f"pass_at_k: k ({k}) must not exceed the number of samples n ({n})")
+    if c > n:
+        raise ValueError(f"pass_at_k: c ({c}) must not exceed the number of samples n ({n})")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k_from_scores(
+    scores: Sequence[Sequence[float]], k: int, threshold: float = 1.0
+) -> float:
+    """Mean pass@k over problems; ``scores[p]`` are the rewards of problem ``p``'s samples.
+
+    A sample counts as correct when its score is ``>= threshold``. Every problem needs at
+    least ``k`` samples (problems may have different sample counts).
+    """
+    if len(scores) == 0:
+        raise ValueError("pass_at_k_from_scores: scores is empty (no problems)")
+    _check_count("k", k)
+    if k < 1:
+        raise ValueError(f"pass_at_k: k must be >= 1, got {k}")
+    total = 0.0
+    for p, samples in enumerate(scores):
+        n = len(samples)
+        c = sum(1 for s in samples if s is not None and s >= threshold)
+        if k > n:
+            raise ValueError(
+                f"pass_at_k_from_scores: problem {p} has {n} samples, fewer than k={k}"
+            )
+        total += pass_at_k(n, c, k)
+    return total / len(scores)

@@ -1,0 +1,48 @@
+"""Per-step metrics accumulated with torchmetrics, so they reduce correctly across
+micro-batches and data-parallel ranks (``compute`` syncs the states of all processes)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import Tensor, nn
+from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric
+
+_KINDS = {"mean": MeanMetric, "max": MaxMetric, "min": MinMetric}
+
+
+class StepMetrics(nn.Module):
+    """Named running aggregates. Every rank must update the same names in the same order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aggregates = nn.ModuleDict()
+        self.kinds: dict[str, str] = {}
+
+    @staticmethod
+    def _key(name: str) -> str:
+        return name.replace(".", "·").replace("/", "__")  # ModuleDict keys cannot hold dots
+
+    def update(self, name: str, value: Union[Tensor, float], weight: Union[Tensor, float] = 1.0, kind: str = "mean") -> None:
+        key = self._key(name)
+        if key not in self.aggregates:
+            device = value.device if torch.is_tensor(value) else torch.device("cpu")
+            self.aggregates[key] = _KINDS[kind](nan_strategy="ignore", sync_on_compute=True).to(device)
+            self.kinds[name] = kind
+        metric = self.aggregates[key]
+        value = torch.as_tensor(value, dtype=torch.float32, device=metric.device).detach()
+        if kind == "mean":
+            weight = torch.as_tensor(weight, dtype=torch.float32, device=metric.device).detach()
+            metric.update(value, weight.expand_as(value) if value.dim() else weight)
+        else:
+            metric.update(value)
+
+    def compute(self) -> dict[str, float]:
+        """All aggregates as floats, then reset for the next step."""
+        out = {}
+        for name in self.kinds:
+            metric = self.aggregates[self._key(name)]
+            out[name] = float(metric.compute())
+            metric.reset()
+        return out

@@ -1,0 +1,75 @@
+"""Loading the policy and its tokenizer: a hub id, a local folder, or ``builtin:<name>``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from gspo_lightning.tasks.tiny import build_tiny_model, build_tokenizer, get_spec, is_builtin
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The tokenizer of a model, left-padding, with a pad token.
+
+    A tokenizer saved as a plain ``PreTrainedTokenizerFast`` is reloaded as that class:
+    ``AutoTokenizer`` would otherwise pick the tokenizer class of the model's architecture
+    (``Qwen2Tokenizer`` beside a qwen2 config) and silently change its pre-tokenizer.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if is_builtin(name_or_path):
+        tokenizer = build_tokenizer(get_spec(name_or_path))
+    else:
+        config_file = Path(name_or_path) / "tokenizer_config.json"
+        saved_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+        if saved_class == "PreTrainedTokenizerFast":
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(name_or_path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an end-of-sequence token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(
+    name_or_path: str,
+    tokenizer,
+    dtype: str = "float32",
+    attn_implementation: Optional[str] = None,
+    trust_remote_code: bool = False,
+):
+    """The causal LM to train. Weights load from safetensors when the checkpoint has them."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if is_builtin(name_or_path):
+        return build_tiny_model(name_or_path, tokenizer, DTYPES[dtype])
+    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a response: the tokenizer's and the generation config's."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(int(i) for i in extra)
+    if not ids:
+        raise ValueError("no end-of-sequence token: set eos_token on the tokenizer")
+    return sorted(ids)

@@ -1,0 +1,10 @@
+"""Reward functions ``fn(prompts, completions, **columns) -> list[float]`` and how they combine."""
+
+from gspo_lightning.rewards.base import RewardComposer, RewardError, RewardSpec, import_function
+from gspo_lightning.rewards.math import exact_match, math_accuracy
+from gspo_lightning.rewards.shaping import format_reward, length_penalty
+
+__all__ = [
+    "RewardComposer", "RewardError", "RewardSpec", "exact_match", "format_reward", "import_function",
+    "length_penalty", "math_accuracy",
+]

@@ -1,0 +1,181 @@
+"""Tiny causal language models and tokenizers built locally: no hub, deterministic.
+
+``builtin:<name>`` anywhere a model path is accepted builds one of :data:`TINY_MODELS`
+from the current torch seed. Tests, the CPU quickstart and the benchmarks use them; a real
+run points the same config key at a hub id or a local checkpoint folder instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+BUILTIN_PREFIX = "builtin:"
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Architecture and tokenizer of a builtin model."""
+
+    tokenizer: str = "words"  # "words": whitespace word-level over `words`; "bpe": BPE trained on `corpus`
+    words: tuple[str, ...] = ()
+    corpus: Optional[str] = None  # "gsm8k" (the shared GSM8K file) or "echo"
+    bpe_vocab_size: int = 2000
+    model_type: str = "qwen2"  # or "qwen2_moe"
+    vocab_size: Optional[int] = None  # pad the embedding to this size (None: the tokenizer's)
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    extra_config: dict = field(default_factory=dict)
+
+
+ECHO_WORDS = ("repeat", *[str(d) for d in range(10)])
+
+TINY_MODELS: dict[str, TinyModelSpec] = {
+    # the quickstart: a 2-layer model over a 14-token vocabulary
+    "tiny-echo": TinyModelSpec(words=ECHO_WORDS),
+    # the same with 8 small experts, for Mixture-of-Experts experiments
+    "tiny-moe-echo": TinyModelSpec(
+        words=ECHO_WORDS,
+        model_type="qwen2_moe",
+        extra_config=dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, decoder_sparse_step=1, output_router_logits=False,
+        ),
+    ),
+    # real text: BPE trained on GSM8K questions and answers
+    "tiny-gsm8k": TinyModelSpec(tokenizer="bpe", corpus="gsm8k", bpe_vocab_size=2000, hidden_size=64),
+    # a small model whose memory is dominated by a 32k vocabulary (benchmarks)
+    "small-32k": TinyModelSpec(
+        tokenizer="bpe", corpus="gsm8k", bpe_vocab_size=8000, vocab_size=32000,
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024,
+    ),
+}
+
+
+def is_builtin(name_or_path: str) -> bool:
+    return name_or_path.startswith(BUILTIN_PREFIX)
+
+
+def shared_data_dir() -> Path:
+    """``shared/data`` beside the checkout (or ``$GSPO_SHARED_DATA``)."""
+    import os
+
+    env = os.environ.get("GSPO_SHARED_DATA")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "shared" / "data"
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("shared/data not found: set GSPO_SHARED_DATA to the folder holding gsm8k/train.jsonl")
+
+
+def _corpus_lines(corpus: str) -> Iterable[str]:
+    if corpus == "gsm8k":
+        with open(shared_data_dir() / "gsm8k" / "train.jsonl") as handle:
+            for line in handle:
+                row = json.loads(line)
+                yield row["question"]
+                yield row["answer"]
+    else:
+        raise ValueError(f"unknown corpus {corpus!r}")
+
+
+def _wrap_tokenizer(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.padding_side = "left"
+    return wrapped
+
+
+def build_tokenizer(spec: TinyModelSpec):
+    """A ``PreTrainedTokenizerFast`` for the spec; spaces survive a round trip."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    if spec.tokenizer == "words":
+        vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *spec.words])}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        # WordLevel has no decoder of its own: the default joins tokens with single spaces
+        return _wrap_tokenizer(tok)
+    if spec.tokenizer == "bpe":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.normalizer = normalizers.NFKC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=spec.bpe_vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+        tok.train_from_iterator(_corpus_lines(spec.corpus or "gsm8k"), trainer=trainer)
+        return _wrap_tokenizer(tok)
+    raise ValueError(f"unknown tokenizer kind {spec.tokenizer!r}")
+
+
+def build_config(spec: TinyModelSpec, tokenizer):
+    from transformers import AutoConfig
+
+    vocab_size = max(len(tokenizer), spec.vocab_size or 0)
+    return AutoConfig.for_model(
+        spec.model_type,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **spec.extra_config,
+    )
+
+
+def get_spec(name: str) -> TinyModelSpec:
+    key = name[len(BUILTIN_PREFIX):] if is_builtin(name) else name
+    if key not in TINY_MODELS:
+        raise ValueError(f"unknown builtin model {name!r}; choose one of {sorted(BUILTIN_PREFIX + k for k in TINY_MODELS)}")
+    return TINY_MODELS[key]
+
+
+def build_tiny_model(name: str, tokenizer, dtype=None):
+    """A randomly initialized model of spec ``name`` (drawn from the current torch RNG)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(get_spec(name), tokenizer)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+
+
+def build_tiny(name: str, dtype=None):
+    """``(model, tokenizer)`` for ``name`` (with or without the ``builtin:`` prefix).
+
+    Weights are drawn from the current torch RNG: seed first for a reproducible model.
+    """
+    tokenizer = build_tokenizer(get_spec(name))
+    return build_tiny_model(name, tokenizer, dtype), tokenizer
+
+
+def save_tiny(name: str, out_dir: str | Path) -> Path:
+    """Build ``name`` and save it as a normal Hugging Face checkpoint folder."""
+    model, tokenizer = build_tiny(name)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,37 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+# Tiny models run fastest on one thread, and two test processes on two cores with two
+# threads each spin against each other.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+@pytest.fixture(scope="session")
+def tiny_echo():
+    """(model, tokenizer) of builtin:tiny-echo, fixed weights."""
+    from gspo_lightning.tasks import build_tiny
+
+    torch.manual_seed(0)
+    return build_tiny("builtin:tiny-echo")
+
+
+@pytest.fixture(scope="session")
+def tiny_gsm8k():
+    from gspo_lightning.tasks import build_tiny
+
+    torch.manual_seed(0)
+    return build_tiny("builtin:tiny-gsm8k")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

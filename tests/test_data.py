@@ -1,0 +1,117 @@
+import json
+
+import pytest
+
+from gspo_lightning.data import DataError, EndlessBatchSampler, PromptDataModule, read_rows
+
+
+@pytest.fixture
+def dm_factory(tiny_gsm8k):
+    def make(**kwargs):
+        dm = PromptDataModule(**kwargs)
+        dm.tokenizer = tiny_gsm8k[1]
+        return dm
+    return make
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_jsonl_parquet_json_and_datasets_folder_give_the_same_rows(tmp_path):
+    rows = [{"prompt": f"question {i}", "answer": str(i)} for i in range(5)]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    from datasets import Dataset
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "folder"))
+    for path in (jsonl, tmp_path / "d.json", tmp_path / "d.parquet", tmp_path / "folder"):
+        assert read_rows(str(path))[0] == rows
+
+
+def test_malformed_row_names_file_and_line_or_is_skipped_and_counted(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok"}', '{"prompt": broken', '[1, 2]', '{"prompt": "fine"}'])
+    with pytest.raises(DataError, match=r"bad.jsonl:2: malformed row"):
+        read_rows(path)
+    rows, skipped = read_rows(path, bad_rows="skip")
+    assert [r["prompt"] for r in rows] == ["ok", "fine"] and skipped == 2
+
+
+def test_missing_file_and_unknown_format_are_clear(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported data format '.csv'"):
+        read_rows(str(tmp_path / "x.csv"))
+
+
+def test_missing_prompt_column_and_empty_prompt(tmp_path, dm_factory):
+    path = write_jsonl(tmp_path / "d.jsonl", ['{"prompt": "How many"}', '{"question": "no prompt"}', '{"prompt": ""}'])
+    dm = dm_factory(path=path, val_size=0)
+    with pytest.raises(DataError, match="row 2: cannot build a prompt"):
+        dm.setup("fit")
+    dm = dm_factory(path=path, bad_rows="skip", val_size=0)
+    dm.setup("fit")
+    assert len(dm.train_rows) == 1 and dm.stats["data/train_prompts_bad"] == 2
+
+
+@pytest.mark.parametrize("mode", ["truncate_left", "truncate_right", "drop"])
+def test_overlong_prompts_are_truncated_or_dropped_and_counted(tmp_path, dm_factory, mode):
+    long = " ".join(["Natalia sold clips to her friends"] * 5)
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"prompt": long}), json.dumps({"prompt": "How many"})])
+    dm = dm_factory(path=path, prompt_length=6, overlong_prompts=mode, val_size=0)
+    dm.setup("fit")
+    full = dm.tokenizer(long, add_special_tokens=False)["input_ids"]
+    if mode == "drop":
+        assert len(dm.train_rows) == 1 and dm.stats["data/train_prompts_dropped"] == 1
+    else:
+        kept = dm.train_rows[0]["prompt_ids"]
+        assert kept == (full[-6:] if mode == "truncate_left" else full[:6])
+        assert dm.stats["data/train_prompts_truncated"] == 1
+
+
+def test_template_and_chat_template(tmp_path, dm_factory):
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"question": "How many clips?", "answer": "#### 3"})])
+    dm = dm_factory(path=path, prompt_template="Q: {question}\nA:", val_size=0)
+    dm.setup("fit")
+    assert dm.train_rows[0]["prompt_text"] == "Q: How many clips?\nA:"
+    dm = dm_factory(path=path, prompt_field="question", use_chat_template=True, system_prompt="Be brief.", val_size=0)
+    dm.setup("fit")
+    assert dm.train_rows[0]["prompt_text"] == "system: Be brief.\nuser: How many clips?\nassistant:"
+    batch = dm.collate(dm.train_rows)
+    assert batch["columns"]["answer"] == ["#### 3"]
+
+
+def take(sampler, n):
+    it = iter(sampler)
+    return [next(it) for _ in range(n)]
+
+
+def test_sampler_covers_every_prompt_once_per_pass_across_ranks():
+    rank_batches = [take(EndlessBatchSampler(24, 3, rank=r, world_size=2, seed=1), 4) for r in range(2)]
+    seen = [i for batches in rank_batches for b in batches for i in b]
+    assert sorted(seen) == list(range(24))
+    # the next pass is a different permutation of all prompts again
+    second = [i for r in range(2) for b in take(EndlessBatchSampler(24, 3, rank=r, world_size=2, seed=1, start_batch=4), 4) for i in b]
+    assert sorted(second) == list(range(24)) and second != seen
+
+
+def test_sampler_resumes_exactly():
+    straight = take(EndlessBatchSampler(10, 4, seed=3), 7)
+    resumed = take(EndlessBatchSampler(10, 4, seed=3, start_batch=3), 4)
+    assert straight[3:] == resumed
+
+
+def test_too_few_prompts_for_one_step():
+    with pytest.raises(DataError, match="cannot fill one step"):
+        EndlessBatchSampler(5, 4, world_size=2)
+
+
+def test_builtin_task_and_unknown_builtin():
+    rows, _ = read_rows("builtin:echo", num_builtin_rows=5)
+    assert len(rows) == 5 and rows[0]["prompt"] == f"repeat {rows[0]['target']}"
+    with pytest.raises(DataError, match="unknown builtin dataset"):
+        read_rows("builtin:nope")
