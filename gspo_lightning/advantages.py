@@ -36,14 +36,19 @@ def _identity(x: Tensor) -> Tensor:
 
 
 def moments(values: Tensor, mask: Optional[Tensor] = None, reduce_sum: SumReducer = _identity) -> tuple[Tensor, Tensor, Tensor]:
-    """``(mean, unbiased std, count)`` of the (masked) values, summed over ranks by ``reduce_sum``."""
+    """``(mean, unbiased std, count)`` of the (masked) values, summed over ranks by ``reduce_sum``.
+
+    Two passes (mean, then squared deviations) in float64: E[x^2] - mean^2 loses every
+    digit when the values sit far from zero.
+    """
     values = values.double()
     weights = torch.ones_like(values) if mask is None else mask.double()
     values = torch.where(weights > 0, values, torch.zeros_like(values))
-    stats = reduce_sum(torch.stack([weights.sum(), (values * weights).sum(), (values.square() * weights).sum()]))
-    count, total, total_sq = stats[0], stats[1], stats[2]
-    mean = total / count.clamp(min=1)
-    var = (total_sq - count * mean.square()).clamp(min=0) / (count - 1).clamp(min=1)
+    stats = reduce_sum(torch.stack([weights.sum(), (values * weights).sum()]))
+    count = stats[0]
+    mean = stats[1] / count.clamp(min=1)
+    sq_dev = reduce_sum(((values - mean).square() * weights).sum())
+    var = sq_dev / (count - 1).clamp(min=1)
     return mean, var.sqrt(), count
 
 
@@ -163,9 +168,10 @@ def token_level_rewards(
     ``kl_coef * KL(old, ref)`` on every valid token when reference log-probs are given."""
     valid = mask.bool()
     rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
-    lengths = valid.sum(-1)
-    has_tokens = lengths > 0
-    last = (lengths - 1).clamp(min=0)
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    # the last *valid* position (masks may have holes or leading zeros)
+    last = torch.where(valid, positions, -1).max(-1).values
+    has_tokens = last >= 0
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows[has_tokens], last[has_tokens]] = scores[has_tokens]
     if ref_logprobs is not None and kl_coef != 0.0:

@@ -35,8 +35,9 @@ class GSPOCLI(LightningCLI):
             "checkpoint.every_n_train_steps": 50,
             "checkpoint.save_top_k": 0,
             "trainer.logger": [
-                lazy_instance(CSVLogger, save_dir="runs", name="gspo"),
-                lazy_instance(TensorBoardLogger, save_dir="runs", name="gspo"),
+                # separate names: two loggers under one name pick different version folders
+                lazy_instance(CSVLogger, save_dir="runs", name="csv"),
+                lazy_instance(TensorBoardLogger, save_dir="runs", name="tensorboard"),
             ],
         })
 

@@ -155,11 +155,19 @@ def policy_loss(
         raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (3 is usual) or None, got {dual_clip}")
-    if logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if mask.dim() != 2 or logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
             f"{tuple(mask.shape)} must all be (B, T)"
         )
+    if tuple(advantages.shape) not in (tuple(mask.shape[:1]), tuple(mask.shape)):
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,) = {tuple(mask.shape[:1])} or (B, T) = {tuple(mask.shape)}")
+    if ref_logprobs is not None and ref_logprobs.shape != mask.shape:
+        raise ValueError(f"ref_logprobs {tuple(ref_logprobs.shape)} must be (B, T) = {tuple(mask.shape)}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef=0")
     valid = mask.bool()
     zeros = torch.zeros_like(logprobs)
     # Sanitize first: a NaN at a masked position would otherwise come back as 0 * NaN = NaN

@@ -12,11 +12,13 @@ One ``training_step`` consumes one rollout batch (filled in by ``RolloutCallback
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 import lightning as L
@@ -532,9 +534,16 @@ class GSPOModule(L.LightningModule):
 
     def _log_eval(self) -> None:
         values = self.val_metrics.compute()
-        if values:
-            self.log_dict(values, on_step=False, on_epoch=True, prog_bar=False)
-            self.last_eval_metrics = values
+        if not values:
+            return
+        self.log_dict(values, on_step=False, on_epoch=True, prog_bar=False)
+        self.last_eval_metrics = values
+        if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            record = {"policy_version": self.policy_version, "rollout_steps": self.rollout_steps, **values}
+            with open(folder / "eval_results.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
 
     # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
