@@ -11,6 +11,7 @@ One ``training_step`` consumes one rollout batch (filled in by ``RolloutCallback
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 
 # Clip ranges follow the level of the ratio they clip (GSPO paper, section 5.1 / ROLL).
 DEFAULT_CLIP = {"seq": (3e-4, 4e-4), "seq-token": (3e-4, 4e-4), "token": (0.2, 0.27)}
+
+
+def _is_moe(model) -> bool:
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
 
 
 class NonFiniteError(RuntimeError):
@@ -96,6 +102,10 @@ class GSPOModule(L.LightningModule):
         logprob_chunk_size: response tokens projected to the vocabulary at once (``null``:
             the naive full-logits path).
         max_consecutive_nonfinite: stop after this many skipped (non-finite) updates in a row.
+        routing_replay: Mixture-of-Experts only: record the experts each token used in the
+            old-policy pass and force them in the training forwards (the baseline GRPO needs
+            on MoE models); always logs how much routing changed between old and new policy.
+        router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
         rollout_seed: base seed of sampling (``null``: the run's ``seed_everything`` seed).
         optimizer: optimizer factory (default AdamW, lr 1e-6).
         lr_scheduler: scheduler factory, stepped once per optimizer step.
@@ -146,6 +156,8 @@ class GSPOModule(L.LightningModule):
         old_logprobs: Literal["recompute", "engine"] = "recompute",
         logprob_chunk_size: Optional[int] = 1024,
         max_consecutive_nonfinite: int = 3,
+        routing_replay: bool = False,
+        router_aux_loss_coef: float = 0.0,
         rollout_seed: Optional[int] = None,
         optimizer: Optional[OptimizerCallable] = None,
         lr_scheduler: Optional[LRSchedulerCallable] = None,
@@ -172,6 +184,7 @@ class GSPOModule(L.LightningModule):
         self.rollout_steps = 0  # rollout batches consumed (the data position)
         self.skipped_updates = 0
         self.consecutive_nonfinite = 0
+        self.router = None  # gspo_lightning.moe.RoutingRecorder for MoE policies
 
     # -- configuration -----------------------------------------------------------------
     def _validate_config(self) -> None:
@@ -239,6 +252,10 @@ class GSPOModule(L.LightningModule):
         self.policy.config.use_cache = False
         if self.needs_reference:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        if hp.routing_replay or hp.router_aux_loss_coef > 0 or _is_moe(self.policy):
+            from gspo_lightning.moe import RoutingRecorder
+
+            self.router = RoutingRecorder(self.policy)
 
     def setup(self, stage: str) -> None:
         self.configure_model()
@@ -340,12 +357,15 @@ class GSPOModule(L.LightningModule):
 
         # 1. passes before any update
         start = time.perf_counter()
+        if self.router is not None:
+            self.router.clear()
         single_update = self.updates_per_rollout(num) == 1
         old = None
         if hp.old_logprobs == "engine":
             old = rollout.engine_logprobs
-        elif not single_update or hp.add_token_level_kl:
-            old = self._logprobs_no_grad(self.policy, rollout)
+        elif not single_update or hp.add_token_level_kl or hp.routing_replay:
+            with self.router.record() if self.router is not None else contextlib.nullcontext():
+                old = self._logprobs_no_grad(self.policy, rollout)
         # else: with exactly one update the old log-probs equal the first forward's, so skip the pass
         ref = self._logprobs_no_grad(self.reference, rollout) if self.reference is not None else None
         time_logprobs = time.perf_counter() - start
@@ -410,7 +430,7 @@ class GSPOModule(L.LightningModule):
                 finite = True
                 minibatch_loss = 0.0
                 for rows in mini_rows.split(micro):
-                    logprobs, entropy = self._logprobs(self.policy, rollout, rows)
+                    logprobs, entropy, aux_loss = self._train_forward(rollout, rows, first_minibatch and epoch == 0)
                     micro_mask = mask[rows]
                     micro_old = old[rows] if old is not None else logprobs.detach()
                     loss, metrics = policy_loss(
@@ -424,6 +444,9 @@ class GSPOModule(L.LightningModule):
                     if not torch.isfinite(loss):
                         finite = False
                         break
+                    if aux_loss is not None:
+                        # the load-balancing loss is a mean per micro-batch: weigh it by its share
+                        loss = loss + hp.router_aux_loss_coef * aux_loss * (len(rows) / len(mini_rows))
                     # DDP averages gradients over ranks; the loss already divides by global counts
                     self.manual_backward(loss * self.world_size)
                     minibatch_loss += float(loss)
@@ -443,6 +466,26 @@ class GSPOModule(L.LightningModule):
                 else:
                     self._skip_update()
                 first_minibatch = False
+
+    def _train_forward(self, rollout: Rollout, rows: Tensor, before_any_update: bool):
+        """The policy's log-probs with grad; on MoE policies, with routing replay / change
+        measurement and the load-balancing loss when configured."""
+        if self.router is None:
+            return (*self._logprobs(self.policy, rollout, rows), None)
+        hp = self.hparams
+        with contextlib.ExitStack() as stack:
+            if hp.routing_replay:
+                stack.enter_context(self.router.replay(rows))
+            elif self.router.has_record and not before_any_update:
+                change = stack.enter_context(self.router.measure(rows))
+            else:
+                change = None
+            capture = stack.enter_context(self.router.capture_router_logits()) if hp.router_aux_loss_coef > 0 else None
+            logprobs, entropy = self._logprobs(self.policy, rollout, rows)
+        if not hp.routing_replay and change is not None and change.value is not None:
+            self.step_metrics.update("moe/routing_change", change.value)
+        aux = capture.load_balancing_loss(rollout.attention_mask[rows]) if capture is not None else None
+        return logprobs, entropy, aux
 
     def _clip_gradients(self) -> Tensor:
         params = [p for p in self.policy.parameters() if p.grad is not None]
