@@ -185,6 +185,8 @@ class GSPOModule(L.LightningModule):
         self.skipped_updates = 0
         self.consecutive_nonfinite = 0
         self.router = None  # gspo_lightning.moe.RoutingRecorder for MoE policies
+        self.grad_sync, self.loss_scale = "none", 1.0
+        self.sharded = False  # parameters split over ranks (FSDP2)
 
     # -- configuration -----------------------------------------------------------------
     def _validate_config(self) -> None:
@@ -252,10 +254,23 @@ class GSPOModule(L.LightningModule):
         self.policy.config.use_cache = False
         if self.needs_reference:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy (FSDP2)
+        if mesh is not None:
+            self._fully_shard(mesh)
         if hp.routing_replay or hp.router_aux_loss_coef > 0 or _is_moe(self.policy):
             from gspo_lightning.moe import RoutingRecorder
 
             self.router = RoutingRecorder(self.policy)
+
+    def _fully_shard(self, mesh) -> None:
+        """FSDP2: shard each decoder layer, then the rest (embeddings, head) at the root."""
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        for layer in self.policy.get_decoder().layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(self.policy, mesh=dp_mesh)
+        self.sharded = True
 
     def setup(self, stage: str) -> None:
         self.configure_model()
@@ -269,7 +284,49 @@ class GSPOModule(L.LightningModule):
         return [RolloutCallback(), TrainingCurves()]
 
     def on_fit_start(self) -> None:
+        self._setup_gradient_sync()
         self._make_engine()
+
+    def _setup_gradient_sync(self) -> None:
+        """DDP: its reducer expects one backward per forward, but a GSPO step runs many
+        backwards inside one ``training_step``; so gradients stay local and are summed over
+        ranks once per optimizer step (:meth:`_all_reduce_gradients`). Sharded strategies
+        (FSDP, FSDP2, DeepSpeed) reduce in backward themselves, averaging over ranks."""
+        from lightning.pytorch.strategies import DDPStrategy
+
+        self.grad_sync, self.loss_scale = "none", 1.0
+        if self.world_size == 1:
+            return
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DDPStrategy):
+            self.trainer.model.require_backward_grad_sync = False
+            self.grad_sync = "manual"
+        else:
+            self.grad_sync, self.loss_scale = "strategy", float(self.world_size)
+
+    def _all_reduce_gradients(self, finite: bool) -> bool:
+        """Sum gradients over ranks in flat buckets; returns whether every rank was finite."""
+        flag = self.all_reduce_sum(torch.tensor([0.0 if finite else 1.0], device=self.device))
+        if flag.item() > 0:
+            return False
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        for p in params:  # a parameter unused on one rank (an idle expert) must still join the sum
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        bucket_bytes = 64 * 2**20
+        bucket, size = [], 0
+        for grad in grads + [None]:
+            if grad is not None:
+                bucket.append(grad)
+                size += grad.numel() * grad.element_size()
+            if bucket and (grad is None or size >= bucket_bytes):
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                for g, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(synced)
+                bucket, size = [], 0
+        return True
 
     def on_validation_start(self) -> None:
         self._make_engine()
@@ -285,7 +342,9 @@ class GSPOModule(L.LightningModule):
         if hp.engine == "hf":
             from gspo_lightning.rollout.hf import HFEngine
 
-            self.engine = HFEngine(self.policy, eos, self.tokenizer.pad_token_id, hp.generation_batch_size)
+            # sharded weights are gathered in every forward: all ranks must take as many decode steps
+            all_finished = self._all_ranks_finished if self.sharded else None
+            self.engine = HFEngine(self.policy, eos, self.tokenizer.pad_token_id, hp.generation_batch_size, all_finished)
         else:
             from gspo_lightning.rollout.vllm import VLLMEngine
 
@@ -310,6 +369,9 @@ class GSPOModule(L.LightningModule):
     def world_size(self) -> int:
         return self.trainer.world_size if self._trainer is not None else 1
 
+    def _all_ranks_finished(self, finished: bool) -> bool:
+        return bool(self.all_reduce_sum(torch.tensor([0.0 if finished else 1.0], device=self.device)).item() == 0)
+
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             tensor = tensor.clone()
@@ -319,7 +381,10 @@ class GSPOModule(L.LightningModule):
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
         return response_logprobs(
             model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width,
-            temperature=self.hparams.temperature, chunk_size=self.hparams.logprob_chunk_size,
+            temperature=self.hparams.temperature,
+            # the chunked path calls the decoder and head separately, bypassing the root's
+            # FSDP2 all-gather of embeddings and head: sharded policies take the naive path
+            chunk_size=None if self.sharded else self.hparams.logprob_chunk_size,
         )
 
     @torch.no_grad()
@@ -334,9 +399,22 @@ class GSPOModule(L.LightningModule):
         finally:
             model.train(was_training)
 
+    def local_mini_batch_size(self, num_responses: int) -> int:
+        """Responses per optimizer step on this rank (``mini_batch_size`` counts all ranks)."""
+        mini = self.hparams.mini_batch_size
+        if mini is None:
+            return num_responses
+        if mini % self.world_size:
+            raise ValueError(f"mini_batch_size={mini} does not split over {self.world_size} ranks: make it a multiple of {self.world_size}")
+        local = mini // self.world_size
+        if num_responses % local:
+            raise ValueError(
+                f"the {num_responses * self.world_size} responses of a step (rollout_batch_size x num_return_sequences_in_group) "
+                f"do not split into mini-batches of {mini}: make mini_batch_size divide them")
+        return local
+
     def updates_per_rollout(self, num_responses: int) -> int:
-        mini = self.hparams.mini_batch_size or num_responses
-        return self.hparams.ppo_epochs * math.ceil(num_responses / mini)
+        return self.hparams.ppo_epochs * (num_responses // self.local_mini_batch_size(num_responses))
 
     # -- the update --------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> None:
@@ -349,10 +427,6 @@ class GSPOModule(L.LightningModule):
                                f"the policy is at {self.policy_version}")
         step_start = time.perf_counter()
         num = rollout.num_responses
-        mini = hp.mini_batch_size or num
-        if num % mini:
-            raise ValueError(f"{num} responses per rank do not split into mini-batches of {mini}: "
-                             f"make rollout_batch_size * num_return_sequences_in_group / world_size a multiple of mini_batch_size")
         mask = rollout.response_mask
 
         # 1. passes before any update
@@ -412,7 +486,7 @@ class GSPOModule(L.LightningModule):
     def _update(self, rollout: Rollout, advantages: Tensor, old: Optional[Tensor], ref: Optional[Tensor]) -> None:
         hp = self.hparams
         num = rollout.num_responses
-        mini = hp.mini_batch_size or num
+        mini = self.local_mini_batch_size(num)
         micro = hp.micro_batch_size or mini
         mask = rollout.response_mask
         lengths = rollout.lengths
@@ -447,12 +521,15 @@ class GSPOModule(L.LightningModule):
                     if aux_loss is not None:
                         # the load-balancing loss is a mean per micro-batch: weigh it by its share
                         loss = loss + hp.router_aux_loss_coef * aux_loss * (len(rows) / len(mini_rows))
-                    # DDP averages gradients over ranks; the loss already divides by global counts
-                    self.manual_backward(loss * self.world_size)
+                    # the loss already divides by global counts: the step's gradient is the
+                    # SUM over ranks (sharded strategies average, hence the factor)
+                    self.manual_backward(loss * self.loss_scale)
                     minibatch_loss += float(loss)
                     self._loss_metrics(metrics, micro_mask, lengths[rows], entropy)
                     if first_minibatch and epoch == 0:
                         self._mismatch_metrics(rollout, rows, logprobs.detach())
+                if self.grad_sync == "manual":
+                    finite = self._all_reduce_gradients(finite)
                 grad_norm = self._clip_gradients() if finite else torch.tensor(float("nan"))
                 if finite and torch.isfinite(grad_norm):
                     optimizer.step()
@@ -581,8 +658,8 @@ class GSPOModule(L.LightningModule):
             return
         self.log_dict(values, on_step=False, on_epoch=True, prog_bar=False)
         self.last_eval_metrics = values
+        folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # a collective call: every rank
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
-            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)
             folder.mkdir(parents=True, exist_ok=True)
             record = {"policy_version": self.policy_version, "rollout_steps": self.rollout_steps, **values}
             with open(folder / "eval_results.jsonl", "a") as handle:

@@ -64,9 +64,9 @@ class TrainingCurves(L.Callback):
                 self.history.setdefault(key, []).append((step, float(value)))
 
     def _write(self, trainer) -> None:
+        folder = Path(trainer.log_dir or trainer.default_root_dir)  # a collective call: every rank
         if not trainer.is_global_zero or not self.history:
             return
-        folder = Path(trainer.log_dir or trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "history.json").write_text(json.dumps(self.history))
         path = plot_history(self.history, folder / "training_curves.png")

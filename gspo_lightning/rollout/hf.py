@@ -8,7 +8,7 @@ calling ``model.generate`` because we need the log-prob of every sampled token a
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,18 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 class HFEngine:
     """Samples from a Hugging Face causal LM in place."""
 
-    def __init__(self, model: nn.Module, eos_token_ids: list[int], pad_token_id: int, generation_batch_size: Optional[int] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        generation_batch_size: Optional[int] = None,
+        all_finished: Optional[Callable[[bool], bool]] = None,
+    ):
+        """``all_finished(local_done) -> global_done`` keeps ranks of a sharded model decoding
+        in lockstep (each forward all-gathers weights); ``None`` stops as soon as this rank is done."""
         self.model = model
+        self.all_finished = all_finished
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.generation_batch_size = generation_batch_size
@@ -100,7 +110,10 @@ class HFEngine:
                 tokens.append(token)
                 logprobs.append(token_logprob)
                 finished = finished | torch.isin(token, eos)
-                if bool(finished.all()):
+                done = bool(finished.all())
+                if self.all_finished is not None:
+                    done = self.all_finished(done)
+                if done:
                     break
                 attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
                 position_ids = position_ids[:, -1:] + 1

@@ -1,0 +1,289 @@
+"""Moving the policy's weights into a generation engine, and reading what it generated.
+
+Everything here is free of CUDA and vLLM, so it is tested on CPU with fake objects:
+
+* :func:`engine_name` maps a training parameter name to the Hugging Face name the engine
+  loads (vLLM's ``load_weights`` takes HF checkpoint names).
+* :func:`iter_buckets` streams the policy's full (unsharded) parameters in buckets of at
+  most ``bucket_bytes``, gathering sharded ones (FSDP2 DTensor, FSDP1, DeepSpeed ZeRO-3)
+  one bucket at a time, so no rank ever holds a second full copy of the model.
+* :class:`WeightSync` skips a sync when the policy version did not change and reports
+  seconds / bytes when it did.
+* :func:`outputs_to_generation` turns vLLM ``RequestOutput`` objects into a
+  :class:`~gspo_lightning.rollout.engine.Generation`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gspo_lightning.rollout.engine import Generation
+
+Bucket = list[tuple[str, Tensor]]
+
+# Module names that wrappers insert into parameter names; the engine knows none of them.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def engine_name(name: str) -> str:
+    """The checkpoint (HF) name of a training parameter: wrapper segments removed."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    # DDP / DeepSpeed engines put the model under ``module.``; only a leading one is theirs
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+# -- sizes and buckets -----------------------------------------------------------------
+def is_deepspeed_param(param: Tensor) -> bool:
+    """A ZeRO-3 partitioned parameter (its local ``numel()`` is 0, ``ds_numel`` is the full size)."""
+    return hasattr(param, "ds_id")
+
+
+def full_nbytes(param: Tensor) -> int:
+    """Bytes of the full parameter, without gathering it."""
+    numel = param.ds_numel if is_deepspeed_param(param) else param.numel()  # DTensor.numel() is global
+    return int(numel) * param.element_size()
+
+
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive index groups whose sizes sum to at most ``bucket_bytes``.
+
+    Order is kept (sharded gathers are collectives: every rank must walk the same order)
+    and a tensor larger than the limit gets a bucket of its own.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, size in enumerate(sizes):
+        if current and used + size > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# -- gathering ---------------------------------------------------------------------------
+def _fsdp1_class():
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return None
+    return FullyShardedDataParallel
+
+
+def sharding_kind(model: nn.Module) -> str:
+    """``deepspeed``, ``fsdp1``, ``dtensor`` (FSDP2 / tensor parallel) or ``plain``."""
+    params = list(model.parameters())
+    if any(is_deepspeed_param(p) for p in params):
+        return "deepspeed"
+    fsdp = _fsdp1_class()
+    if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
+        return "fsdp1"
+    if any(hasattr(p, "full_tensor") for p in params):
+        return "dtensor"
+    return "plain"
+
+
+def _named_params(model: nn.Module) -> list[tuple[str, Tensor]]:
+    return [(engine_name(name), p) for name, p in model.named_parameters()]
+
+
+def _data(tensor: Tensor) -> Tensor:
+    # no autograd history into the engine; a gathered tensor is passed on as is (no new object)
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def _iter_by_size(named: list[tuple[str, Tensor]], bucket_bytes: int, materialize: Callable[[Tensor], Tensor]) -> Iterator[Bucket]:
+    for indices in plan_buckets([full_nbytes(p) for _, p in named], bucket_bytes):
+        bucket = [(named[i][0], _data(materialize(named[i][1]))) for i in indices]
+        yield bucket
+        del bucket  # gathered copies die before the next bucket is gathered
+
+
+def _full_tensor(param: Tensor) -> Tensor:
+    # FSDP2 / DTensor: an all-gather (a collective: every rank calls it in the same order)
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def _iter_deepspeed(model: nn.Module, bucket_bytes: int) -> Iterator[Bucket]:
+    import deepspeed
+
+    named = _named_params(model)
+    for indices in plan_buckets([full_nbytes(p) for _, p in named], bucket_bytes):
+        params = [named[i][1] for i in indices]
+        # modifier_rank=None: read-only gather on every rank, released on exit
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            bucket = [(named[i][0], _data(named[i][1])) for i in indices]
+            yield bucket
+            del bucket  # our views keep the gathered storage alive past the context otherwise
+
+
+def _fsdp1_own_params(module: nn.Module, prefix: str, fsdp_cls) -> Iterator[tuple[str, Tensor]]:
+    """Parameters of one FSDP1 unit, not descending into nested units."""
+    for name, param in module.named_parameters(prefix=prefix.rstrip("."), recurse=False):
+        if not name.endswith("_flat_param"):
+            yield name, param
+    for child_name, child in module.named_children():
+        if not isinstance(child, fsdp_cls):
+            yield from _fsdp1_own_params(child, f"{prefix}{child_name}.", fsdp_cls)
+
+
+def _iter_fsdp1(model: nn.Module, bucket_bytes: int) -> Iterator[Bucket]:
+    fsdp_cls = _fsdp1_class()
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, fsdp_cls)]
+    if not isinstance(model, fsdp_cls):
+        # parameters outside every unit are not sharded
+        outer = list(_fsdp1_own_params(model, "", fsdp_cls))
+        if outer:
+            yield from _iter_by_size([(engine_name(n), p) for n, p in outer], bucket_bytes, lambda p: p)
+    seen: set[int] = set()
+    for unit_name, unit in units:
+        prefix = f"{unit_name}." if unit_name else ""
+        # one unit (typically one decoder layer) unsharded at a time, without writeback
+        with fsdp_cls.summon_full_params(unit, recurse=False, writeback=False):
+            named = []
+            for name, param in _fsdp1_own_params(unit, prefix, fsdp_cls):
+                if id(param) not in seen:  # tied weights appear once
+                    seen.add(id(param))
+                    named.append((engine_name(name), param))
+            # buckets never span units: the gathered unit is freed when its context closes
+            yield from _iter_by_size(named, bucket_bytes, lambda p: p)
+
+
+def iter_buckets(model: nn.Module, bucket_bytes: int) -> Iterator[Bucket]:
+    """Full parameters of ``model`` as ``(hf_name, tensor)`` buckets, in a fixed order.
+
+    Tensors of a bucket are only valid until the next one is requested (ZeRO-3 and FSDP1
+    release them). Sharded gathers are collectives: every rank must consume the whole
+    iterator. Buffers are not sent: the engine computes its own (rotary tables...).
+    """
+    kind = sharding_kind(model)
+    if kind == "deepspeed":
+        return _iter_deepspeed(model, bucket_bytes)
+    if kind == "fsdp1":
+        return _iter_fsdp1(model, bucket_bytes)
+    return _iter_by_size(_named_params(model), bucket_bytes, _full_tensor)
+
+
+# -- version tracking ----------------------------------------------------------------------
+class WeightSync:
+    """When and how much to push: skips unchanged versions, measures what it sends.
+
+    ``load`` receives an iterator of buckets and must consume it completely; it is the
+    engine's side of the transfer (vLLM: ``load_weights`` per bucket).
+    """
+
+    def __init__(self, bucket_bytes: int):
+        if bucket_bytes < 1:
+            raise ValueError(f"weight sync bucket size must be >= 1 byte, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.version = -1
+        self.stale = False  # the engine lost its weights (vLLM sleep level 2): resend
+
+    def needs_sync(self, version: int) -> bool:
+        return self.stale or version != self.version
+
+    def invalidate(self) -> None:
+        self.stale = True
+
+    @torch.no_grad()
+    def sync(self, model: nn.Module, version: int, load: Callable[[Iterator[Bucket]], Any]) -> Optional[dict[str, float]]:
+        if not self.needs_sync(version):
+            return None
+        stats = {"bytes": 0.0, "tensors": 0.0, "buckets": 0.0}
+
+        def counted() -> Iterator[Bucket]:
+            for bucket in iter_buckets(model, self.bucket_bytes):
+                stats["buckets"] += 1
+                stats["tensors"] += len(bucket)
+                stats["bytes"] += float(sum(t.numel() * t.element_size() for _, t in bucket))
+                yield bucket
+                del bucket  # hold one bucket at a time, not two
+
+        start = time.perf_counter()
+        stream = counted()
+        try:
+            load(stream)
+            # gathers are collectives: finish the walk so every rank stays in step, then complain
+            leftover = sum(1 for _ in stream)
+        finally:
+            stream.close()  # leave gather contexts even when the engine failed
+        if leftover:
+            raise RuntimeError(f"the engine stopped reading weights with {leftover} bucket(s) left: it holds a partial update")
+        stats["seconds"] = time.perf_counter() - start
+        self.version = version
+        self.stale = False
+        return stats
+
+
+# -- vLLM outputs -> Generation --------------------------------------------------------------
+def _sampled_logprob(position: Any, token: int) -> float:
+    """The sampled token's log-prob from one position of ``CompletionOutput.logprobs``.
+
+    vLLM gives ``{token_id: Logprob}`` per position (``FlatLogprobs`` indexes the same
+    way); with ``logprobs=0`` the sampled token is the only entry.
+    """
+    if position is None:
+        raise ValueError("vLLM returned no log-probs: request them with SamplingParams(logprobs=0)")
+    entry = position[token]
+    return float(getattr(entry, "logprob", entry))
+
+
+def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: int) -> Generation:
+    """``N = len(request_outputs) * n`` rows, response ``j`` answering prompt ``j // n``.
+
+    A response that stopped on an end-of-sequence token keeps it as its last token
+    (vLLM appends the stop token before it checks for a stop). ``truncated`` is
+    ``finish_reason == "length"``: ``max_tokens`` or the engine's ``max_model_len``.
+    """
+    tokens: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    truncated: list[bool] = []
+    for request in request_outputs:
+        completions = sorted(request.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise ValueError(f"expected {n} completions per prompt, vLLM returned {len(completions)}")
+        for completion in completions:
+            reason = completion.finish_reason
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request {request.request_id} ended with finish_reason={reason!r}")
+            ids = [int(t) for t in completion.token_ids]
+            if not ids:
+                raise RuntimeError(f"vLLM request {request.request_id} returned an empty completion")
+            lps = completion.logprobs
+            if lps is None or len(lps) != len(ids):
+                raise ValueError("vLLM returned no (or misaligned) log-probs: request them with SamplingParams(logprobs=0)")
+            tokens.append(ids)
+            logprobs.append([_sampled_logprob(pos, t) for pos, t in zip(lps, ids)])
+            truncated.append(reason == "length")
+    if not tokens:
+        raise ValueError("no vLLM outputs to convert")
+    width = max(len(ids) for ids in tokens)
+    completion_ids = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
+    token_logprobs = torch.zeros((len(tokens), width), dtype=torch.float32)
+    for row, (ids, lps) in enumerate(zip(tokens, logprobs)):
+        completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        token_logprobs[row, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return Generation(
+        completion_ids=completion_ids,
+        logprobs=token_logprobs,
+        lengths=torch.tensor([len(ids) for ids in tokens], dtype=torch.long),
+        truncated=torch.tensor(truncated, dtype=torch.bool),
+    )
+
+
+__all__ = [
+    "WeightSync", "engine_name", "full_nbytes", "iter_buckets", "outputs_to_generation",
+    "plan_buckets", "sharding_kind",
+]

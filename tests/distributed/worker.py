@@ -1,0 +1,120 @@
+"""One GSPO optimizer step under a given strategy, launched by torchrun from
+tests/test_distributed.py; rank 0 saves the updated weights and the logged metrics.
+
+Rollouts come from a deterministic engine (completions depend only on the prompt), so
+1 rank and 2 ranks train on exactly the same global batch.
+"""
+
+import argparse
+import json
+import os
+import warnings
+
+import lightning as L
+import torch
+
+from gspo_lightning.data import PromptDataModule
+from gspo_lightning.module import GSPOModule
+from gspo_lightning.rollout.engine import Generation
+from gspo_lightning.rewards import RewardSpec
+
+
+class DeterministicEngine:
+    """Completions that depend only on (prompt, sample index): lengths 1..5, some ending in EOS."""
+
+    weights_version = -1
+
+    def __init__(self, vocab_size: int, eos_id: int, pad_id: int):
+        self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
+
+    def update_weights(self, policy, version):
+        self.weights_version = version
+        return {"seconds": 0.0, "bytes": 0.0}
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+    def generate(self, prompt_ids, n, params, seed):
+        rows = []
+        for prompt in prompt_ids:
+            for j in range(n):
+                length = 1 + (sum(prompt) * 3 + j * 7) % params.max_new_tokens
+                row = [3 + (sum(prompt) * 5 + j * 11 + t * 13) % (self.vocab_size - 3) for t in range(length)]
+                if j % 3 == 0:
+                    row[-1] = self.eos_id
+                rows.append(row)
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+        lengths = torch.tensor([len(r) for r in rows])
+        truncated = torch.tensor([r[-1] != self.eos_id for r in rows])
+        return Generation(ids, torch.zeros(ids.shape), lengths, truncated)
+
+
+# name -> GSPOModule overrides; batch-wide statistics (batch normalization, whitening)
+# must be gathered over ranks, group statistics stay on the rank that holds the group
+CASES = {
+    "seq-mean-token-mean": dict(loss_agg_mode="seq-mean-token-mean"),
+    "seq-mean-token-sum": dict(loss_agg_mode="seq-mean-token-sum", reward_norm="group"),
+    "token-mean": dict(loss_agg_mode="token-mean", importance_sampling="token", reward_norm="batch", whiten_advantages=True),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--out_dir", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for case in args.cases:
+        run_case(args.strategy, case, args.out_dir)
+
+
+def run_case(strategy_name: str, case: str, out_dir: str):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    L.seed_everything(0, verbose=False)
+    module = GSPOModule(
+        model_name_or_path="builtin:tiny-echo",
+        rewards=[RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")],
+        num_return_sequences_in_group=4, response_length=5, micro_batch_size=3, max_grad_norm=None,
+        **CASES[case],
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+    )
+    module.configure_model() if strategy_name != "fsdp2" else None
+    initial = {k: v.detach().clone() for k, v in module.policy.named_parameters()} if module.policy is not None else {}
+    tok = module.tokenizer
+    module.engine = DeterministicEngine(len(tok), tok.eos_token_id, tok.pad_token_id)
+    data = PromptDataModule(path="builtin:echo", rollout_batch_size=8, prompt_length=8, val_size=0, shuffle=False)
+    strategy = strategy_name
+    if strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
+        default_root_dir=out_dir,
+    )
+    trainer.fit(module, datamodule=data)
+
+    state = {}
+    for name, param in module.policy.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        state[name] = full.detach().cpu()
+    if trainer.global_rank == 0:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/"))}
+        out = os.path.join(out_dir, f"{case}.pt")
+        torch.save({"state": state, "initial": initial, "metrics": metrics, "world": world}, out)
+        print(json.dumps({"saved": out, "world": world}))
+
+
+if __name__ == "__main__":
+    main()
