@@ -43,18 +43,27 @@ class GSPOCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from gspo_lightning.data import PromptDataModule
     from gspo_lightning.module import GSPOModule
+    from gspo_lightning.preemption import Preempted
 
-    GSPOCLI(
-        GSPOModule,
-        PromptDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        auto_configure_optimizers=False,
-    )
+    try:
+        GSPOCLI(
+            GSPOModule,
+            PromptDataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            auto_configure_optimizers=False,
+        )
+    except Preempted as stop:
+        print(f"gspo: {stop}", file=sys.stderr)
+    except SIGTERMException:
+        # PreemptionCheckpoint wrote last.ckpt at the step boundary before Lightning raised this
+        print("gspo: stopped by SIGTERM after writing last.ckpt; resume with --ckpt_path <checkpoint dir>/last.ckpt", file=sys.stderr)
 
 
 if __name__ == "__main__":

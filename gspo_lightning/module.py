@@ -280,8 +280,9 @@ class GSPOModule(L.LightningModule):
 
     def configure_callbacks(self):
         from gspo_lightning.plotting import TrainingCurves
+        from gspo_lightning.preemption import PreemptionCheckpoint
 
-        return [RolloutCallback(), TrainingCurves()]
+        return [RolloutCallback(), TrainingCurves(), PreemptionCheckpoint()]
 
     def on_fit_start(self) -> None:
         self._setup_gradient_sync()

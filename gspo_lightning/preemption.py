@@ -1,0 +1,85 @@
+"""Never lose a run: a checkpoint at the next step boundary on SIGTERM / SIGINT, and one
+for inspection when training stops on non-finite updates.
+
+SIGTERM (preemption, ``scancel``, ``docker stop``) and the first Ctrl-C both let the
+current step finish, write ``last.ckpt`` and stop; a second Ctrl-C aborts at once.
+Resume with ``gspo fit --config ... --ckpt_path <dir>/last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_dir(trainer: L.Trainer) -> Path:
+    callback = trainer.checkpoint_callback
+    if callback is not None and getattr(callback, "dirpath", None):
+        return Path(callback.dirpath)
+    return Path(trainer.default_root_dir) / "checkpoints"
+
+
+class Preempted(Exception):
+    """Raised to end ``fit`` after the preemption checkpoint was written."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{reason}: checkpoint written to {path}; resume with --ckpt_path {path}")
+        self.path = path
+
+
+class PreemptionCheckpoint(L.Callback):
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.saved: Optional[Path] = None
+        self._previous_sigint = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._previous_sigint = signal.getsignal(signal.SIGINT)
+        try:
+            signal.signal(signal.SIGINT, self._on_sigint)
+        except ValueError:  # not the main thread: keep the default behaviour
+            self._previous_sigint = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.interrupted:  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print("\nCtrl-C: finishing this step and writing a checkpoint (press again to abort at once)", flush=True)
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # every rank must agree (the checkpoint save is collective)
+        stop = trainer.strategy.reduce_boolean_decision(self.interrupted or trainer.received_sigterm, all=False)
+        if not stop:
+            return
+        path = checkpoint_dir(trainer) / "last.ckpt"
+        trainer.save_checkpoint(path)
+        self.saved = path
+        reason = "SIGTERM" if trainer.received_sigterm else "interrupted"
+        if trainer.is_global_zero:
+            print(f"{reason}: checkpoint written to {path} at step {pl_module.rollout_steps}; resume with --ckpt_path {path}", flush=True)
+        self._restore_sigint()
+        if not trainer.received_sigterm:  # Lightning raises SIGTERMException itself for SIGTERM
+            raise Preempted(path, reason)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_sigint()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore_sigint()
+        from gspo_lightning.module import NonFiniteError
+
+        if isinstance(exception, NonFiniteError):
+            path = checkpoint_dir(trainer) / "nonfinite.ckpt"
+            trainer.save_checkpoint(path)
+            log.error("stopped on non-finite updates; the state is saved in %s for inspection", path)

@@ -1,0 +1,112 @@
+"""Exact resume and preemption: a run that stops and resumes ends where the straight run
+ends, bit for bit, with the same logged metrics."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gspo_lightning.cli import main
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(folder: Path, max_steps: int, response_length: int = 5) -> Path:
+    config = {
+        "seed_everything": 11,
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "max_steps": max_steps, "limit_val_batches": 0,
+            "default_root_dir": str(folder), "enable_progress_bar": False, "enable_model_summary": False,
+            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(folder), "name": "csv"}}],
+        },
+        "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 2},
+        "model": {
+            "model_name_or_path": "builtin:tiny-echo",
+            "rewards": [{"function": "gspo_lightning.tasks.echo.echo_reward"}],
+            "num_return_sequences_in_group": 4, "response_length": response_length,
+            "reward_norm": "running", "mini_batch_size": 8, "ppo_epochs": 1,
+            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003}},
+            "lr_scheduler": {"class_path": "torch.optim.lr_scheduler.LinearLR",
+                             "init_args": {"start_factor": 1.0, "end_factor": 0.2, "total_iters": 12}},
+        },
+        "data": {"path": "builtin:echo", "rollout_batch_size": 4, "prompt_length": 8, "val_size": 0},
+    }
+    path = folder / "cfg.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def metric_rows(folder: Path) -> dict[float, dict[str, str]]:
+    """policy_version -> logged row, over all runs in the folder, without wall-clock metrics."""
+    rows = {}
+    for file in sorted(folder.glob("csv/version_*/metrics.csv")):
+        with open(file) as handle:
+            for row in csv.DictReader(handle):
+                if row.get("policy_version"):
+                    rows[float(row["policy_version"])] = {
+                        k: v for k, v in row.items() if v and not k.startswith(("time/", "perf/")) and k != "step"}
+    return rows
+
+
+def policy_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("policy.")}
+
+
+def test_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
+    straight = tmp_path / "straight"
+    main(["fit", "--config", str(write_config(straight, 12))])
+
+    resumed = tmp_path / "resumed"
+    main(["fit", "--config", str(write_config(resumed, 6))])
+    main(["fit", "--config", str(write_config(resumed, 12)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
+
+    a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    full = torch.load(resumed / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert full["gspo"]["policy_version"] == 12 and full["gspo"]["rollout_steps"] == 6
+    rows_a, rows_b = metric_rows(straight), metric_rows(resumed)
+    assert sorted(rows_a) == sorted(rows_b) == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    for version in rows_a:
+        assert rows_a[version] == rows_b[version], version
+
+
+def wait_for_rows(folder: Path, count: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if len(metric_rows(folder)) >= count:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the run did not log in time")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_writes_a_checkpoint_exits_cleanly_and_resumes(tmp_path, sig):
+    folder = tmp_path / "run"
+    cfg = write_config(folder, 400, response_length=12)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(cfg)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(folder, 2, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resume with --ckpt_path" in out + err
+    ckpt = folder / "ckpt" / "last.ckpt"
+    stopped_at = torch.load(ckpt, map_location="cpu", weights_only=True)["gspo"]["policy_version"]
+    assert 4 <= stopped_at < 400
+
+    main(["fit", "--config", str(write_config(folder, stopped_at + 4, response_length=12)), "--ckpt_path", str(ckpt)])
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["gspo"]["policy_version"] == stopped_at + 4
