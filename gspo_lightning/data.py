@@ -117,9 +117,10 @@ class PromptDataModule(L.LightningDataModule):
     Args:
         path: training prompts: ``.jsonl`` / ``.json`` / ``.parquet`` file, a saved
             ``datasets`` folder, or ``builtin:echo`` (the offline synthetic task).
-        val_path: held-out prompts for validation (same formats). For a builtin task,
-            ``None`` draws ``val_size`` fresh rows with another seed.
-        val_size: number of validation prompts (``None``: the whole file).
+        val_path: held-out prompts for validation (same formats). ``None``: for a builtin
+            task, ``val_size`` fresh rows drawn with another seed; for a file, its last
+            ``val_size`` rows, held out of training.
+        val_size: number of validation prompts (``None`` or 0 with no ``val_path``: no validation).
         prompt_field: the column holding the prompt text.
         messages_field: a column of chat messages (``[{role, content}, ...]``); when set it
             is rendered with the tokenizer's chat template instead of ``prompt_field``.
@@ -224,24 +225,30 @@ class PromptDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         hp = self.hparams
-        if not self.train_rows and stage == "fit":
-            rows, skipped = read_rows(hp.path, bad_rows=hp.bad_rows, seed=hp.seed)
+        if self.train_rows or self.val_rows:
+            return
+        rows, skipped = read_rows(hp.path, bad_rows=hp.bad_rows, seed=hp.seed)
+        if hp.val_path is not None:
+            val_rows, _ = read_rows(hp.val_path, bad_rows=hp.bad_rows, seed=hp.seed + 1)
+        elif hp.path.startswith(BUILTIN_PREFIX):
+            val_rows, _ = read_rows(hp.path, num_builtin_rows=hp.val_size or 64, seed=hp.seed + 7919)
+        elif hp.val_size:
+            # no held-out file: hold out the last val_size rows, never trained on
+            if hp.val_size >= len(rows):
+                raise DataError(f"val_size={hp.val_size} leaves no training prompts out of {len(rows)} rows in {hp.path}")
+            rows, val_rows = rows[:-hp.val_size], rows[-hp.val_size:]
+        else:
+            val_rows = []
+        if hp.val_size is not None:
+            val_rows = val_rows[:hp.val_size]
+        self.val_rows, _ = self._prepare(val_rows, hp.val_path or hp.path)
+        if stage == "fit":
             self.train_rows, counts = self._prepare(rows, hp.path)
             counts["bad"] += skipped
             self.stats = {f"data/train_prompts_{k}": v for k, v in counts.items()}
             self.stats["data/train_prompts"] = len(self.train_rows)
             if any(counts.values()):
                 log.warning("training prompts: %d kept, %s", len(self.train_rows), counts)
-        if not self.val_rows:
-            if hp.val_path is not None:
-                rows, _ = read_rows(hp.val_path, bad_rows=hp.bad_rows, seed=hp.seed + 1)
-            elif hp.path.startswith(BUILTIN_PREFIX):
-                rows, _ = read_rows(hp.path, num_builtin_rows=hp.val_size or 64, seed=hp.seed + 7919)
-            else:
-                rows = []
-            if hp.val_size is not None:
-                rows = rows[:hp.val_size]
-            self.val_rows, _ = self._prepare(rows, hp.val_path or hp.path)
 
     # -- loaders -----------------------------------------------------------------------
     @staticmethod

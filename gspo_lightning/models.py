@@ -27,7 +27,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     else:
         config_file = Path(name_or_path) / "tokenizer_config.json"
         saved_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-        if saved_class == "PreTrainedTokenizerFast":
+        # transformers 5 saves a plain fast tokenizer as "TokenizersBackend"
+        if saved_class in ("PreTrainedTokenizerFast", "TokenizersBackend"):
             tokenizer = PreTrainedTokenizerFast.from_pretrained(name_or_path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -106,6 +107,8 @@ class GSPOModule(L.LightningModule):
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models); always logs how much routing changed between old and new policy.
         router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
+        export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
+            to ``<log dir>/hf_model`` when ``fit`` ends.
         rollout_seed: base seed of sampling (``null``: the run's ``seed_everything`` seed).
         optimizer: optimizer factory (default AdamW, lr 1e-6).
         lr_scheduler: scheduler factory, stepped once per optimizer step.
@@ -158,12 +161,15 @@ class GSPOModule(L.LightningModule):
         max_consecutive_nonfinite: int = 3,
         routing_replay: bool = False,
         router_aux_loss_coef: float = 0.0,
+        export_on_fit_end: bool = True,
         rollout_seed: Optional[int] = None,
         optimizer: Optional[OptimizerCallable] = None,
         lr_scheduler: Optional[LRSchedulerCallable] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards"])
+        # plain dicts, so checkpoints load with torch.load(weights_only=True)
+        self.hparams["rewards"] = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self._validate_config()
@@ -176,7 +182,7 @@ class GSPOModule(L.LightningModule):
         self.policy = None
         self.reference = None
         self.engine = None
-        self.reward_composer = RewardComposer(rewards or [], on_error=on_reward_error) if rewards else None
+        self.reward_composer = RewardComposer(self.hparams["rewards"], on_error=on_reward_error) if rewards else None
         self.running_rewards = RunningMoments()
         self.step_metrics = StepMetrics()
         self.val_metrics = StepMetrics()
@@ -287,6 +293,19 @@ class GSPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self._setup_gradient_sync()
         self._make_engine()
+
+    def on_fit_end(self) -> None:
+        if not self.hparams.export_on_fit_end:
+            return
+        folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
+        if self.sharded:
+            log.warning("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
+            return
+        if self.trainer.is_global_zero:
+            from gspo_lightning.export import save_policy
+
+            save_policy(self.policy, self.tokenizer, folder)
+            print(f"policy exported to {folder}")
 
     def _setup_gradient_sync(self) -> None:
         """DDP: its reducer expects one backward per forward, but a GSPO step runs many
@@ -642,6 +661,8 @@ class GSPOModule(L.LightningModule):
         m = self.val_metrics
         m.update(f"{stage}/reward_mean", rewards.mean(), rewards.numel())
         m.update(f"{stage}/accuracy", correct.float().mean(), rewards.numel())
+        # the unbiased pass@1 over k samples is the share of correct samples
+        m.update(f"{stage}/pass@1", correct.float().mean(), rewards.numel())
         m.update(f"{stage}/response_length", rollout.lengths.float().mean(), rewards.numel())
         if k > 1:
             per_prompt = [pass_at_k(k, int(c), k) for c in correct.sum(-1).tolist()]

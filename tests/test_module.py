@@ -113,6 +113,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path):
     with pytest.raises(NonFiniteError, match="2 updates in a row"):
         fit(module, tmp_path, max_steps=5)
     assert module.skipped_updates == 2 and module.policy_version == 0
+    assert (tmp_path / "checkpoints" / "nonfinite.ckpt").exists()  # kept for inspection
     assert before is None or all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
 
 

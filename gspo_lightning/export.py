@@ -1,0 +1,57 @@
+"""The trained policy as a Hugging Face folder (safetensors + tokenizer) that
+transformers and vLLM load directly.
+
+    python -m gspo_lightning.export runs/.../last.ckpt exported/
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+
+def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy.config.use_cache = True  # inference default for whoever loads it
+    policy.save_pretrained(out, safe_serialization=True)
+    policy.config.use_cache = False
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
+    """Rebuild the policy from a Lightning checkpoint's hyperparameters and weights.
+
+    The checkpoint is read with ``weights_only=True``: no pickled code runs.
+    """
+    from gspo_lightning.models import load_policy, load_tokenizer
+
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    hparams = checkpoint.get("hyper_parameters", {})
+    name = hparams.get("model_name_or_path")
+    if name is None:
+        raise ValueError(f"{ckpt_path} has no model_name_or_path hyperparameter: is it a GSPOModule checkpoint?")
+    tokenizer = load_tokenizer(name, hparams.get("trust_remote_code", False))
+    policy = load_policy(name, tokenizer, hparams.get("dtype", "float32"), None, hparams.get("trust_remote_code", False))
+    prefix = "policy."
+    state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in getattr(policy, "_tied_weights_keys", None) or []]
+    if unexpected or (missing and not all("lm_head" in k for k in missing)):
+        raise ValueError(f"checkpoint does not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return save_policy(policy, tokenizer, out_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt_path", help="a GSPOModule checkpoint (last.ckpt)")
+    parser.add_argument("out_dir", help="folder for config.json, model.safetensors and the tokenizer")
+    args = parser.parse_args()
+    print(f"exported to {export_checkpoint(args.ckpt_path, args.out_dir)}")
+
+
+if __name__ == "__main__":
+    main()

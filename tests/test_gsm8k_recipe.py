@@ -1,0 +1,56 @@
+"""The GSM8K recipe: CPU smoke run through the CLI, and the GPU config parses."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo_lightning.cli import main
+from gspo_lightning.data import PromptDataModule
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+needs_data = pytest.mark.skipif(not GSM8K.exists(), reason="needs ../shared/data/gsm8k/train.jsonl")
+
+
+@needs_data
+@pytest.mark.slow
+def test_cpu_smoke_config_runs_the_whole_path(tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / "gsm8k_cpu_smoke.yaml").read_text())
+    config["trainer"].update(default_root_dir=str(tmp_path), max_steps=4, val_check_interval=1, limit_val_batches=1,
+                             enable_progress_bar=False, enable_model_summary=False)
+    config["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path)
+    config["data"]["path"] = str(GSM8K)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["fit", "--config", str(path)])
+    run = tmp_path / "csv" / "version_0"
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    for key in ("reward/math_accuracy", "reward/format_reward", "val/pass@1", "val/pass@4"):
+        assert key in header, key
+    record = json.loads((run / "eval_results.jsonl").read_text().splitlines()[-1])
+    assert 0.0 <= record["val/pass@4"] <= 1.0
+    assert (run / "hf_model" / "model.safetensors").exists()
+
+
+@needs_data
+def test_file_without_val_path_holds_out_its_last_rows(tiny_gsm8k):
+    dm = PromptDataModule(path=str(GSM8K), prompt_field="question", val_size=5)
+    dm.tokenizer = tiny_gsm8k[1]
+    dm.setup("fit")
+    lines = GSM8K.read_text().splitlines()
+    held_out = [json.loads(line)["question"] for line in lines[-5:]]
+    assert [r["row"]["question"] for r in dm.val_rows] == held_out
+    assert len(dm.train_rows) == len(lines) - 5
+    assert not set(held_out) & {r["row"]["question"] for r in dm.train_rows}
+
+
+def test_gpu_recipe_parses():
+    result = subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", "configs/gsm8k_qwen3.yaml",
+                             "--print_config"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert config["model"]["importance_sampling"] == "seq" and config["model"]["engine"] == "vllm"
