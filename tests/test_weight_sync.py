@@ -135,6 +135,89 @@ def test_fsdp1_units_are_summoned_one_at_a_time(gloo_world, use_orig_params):
         torch.testing.assert_close(tensor, reference[name])
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_root_around_the_lightning_module_is_used_for_the_policy(gloo_world, use_orig_params):
+    """Lightning's FSDPStrategy wraps the whole LightningModule: the policy's outer
+    parameters (here ``norm``) live in the root unit, above the policy."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    policy.add_module("norm", nn.LayerNorm(2))
+    reference = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    lightning_module = nn.Module()
+    lightning_module.policy = policy
+    lightning_module.reference = nn.Linear(2, 2)  # also in the root: must not be sent
+    root = FSDP(lightning_module, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                use_orig_params=use_orig_params)
+    inner = root.module.policy
+    module = SimpleNamespace(_trainer=SimpleNamespace(strategy=SimpleNamespace(model=root)))
+    assert vllm_engine.fsdp1_root(module, inner) is root
+    assert vllm_engine.fsdp1_root(SimpleNamespace(_trainer=None), inner) is None
+    got = {}
+    for bucket in iter_buckets(inner, 1 << 20, root=root):
+        for name, tensor in bucket:
+            got[name] = tensor.clone()
+    assert sorted(got) == sorted(reference)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, reference[name])
+
+
+def _sharded_worker(rank, world_size, port, out_dir):
+    """One rank of a real 2-process gloo world: shard, stream, compare with the unsharded model."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    results = {}
+    for kind in ("fsdp2", "fsdp1", "fsdp1-orig"):
+        torch.manual_seed(0)
+        policy = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        policy.add_module("norm", nn.LayerNorm(2))
+        reference = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        root = None
+        if kind == "fsdp2":
+            fully_shard(policy[0])
+            fully_shard(policy[1])
+            fully_shard(policy)
+            model = policy
+            local = sum(p.to_local().numel() for p in model.parameters())
+        else:  # the layout of Lightning's FSDPStrategy: a root unit around the LightningModule
+            container = nn.Module()
+            container.policy = policy
+            root = FSDP(container, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                        use_orig_params=kind == "fsdp1-orig")
+            model = root.module.policy
+            local = sum(p.numel() for p in root.parameters())  # flat shards (padded)
+        got = {n: t.clone() for bucket in iter_buckets(model, 40, root=root) for n, t in bucket}
+        ok = sorted(got) == sorted(reference) and all(torch.equal(got[n], reference[n]) for n in reference)
+        results[kind] = (ok, local, sum(t.numel() for t in reference.values()))
+    torch.save(results, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_stream_full_weights_from_real_shards(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        for kind, (ok, local, full) in torch.load(tmp_path / f"{rank}.pt").items():
+            assert ok, f"{kind}: rank {rank} streamed wrong weights"
+            assert local < full, f"{kind}: the parameters were not sharded"
+
+
 def test_deepspeed_zero3_parameters_are_gathered_per_bucket(monkeypatch):
     model, reference = two_layers()
     gathered = []

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gspo_lightning.rollout.engine import Generation, SamplingParams
-from gspo_lightning.rollout.weight_sync import Bucket, WeightSync, outputs_to_generation
+from gspo_lightning.rollout.weight_sync import Bucket, WeightSync, fsdp1_class, outputs_to_generation
 
 INSTALL_HINT = "pip install 'gspo-lightning[vllm]' (vllm 0.32.0, torch 2.13.0) on a Linux machine with an NVIDIA GPU"
 SEED_MODULUS = 2**62  # vLLM keeps seeds in int64 and adds the sample index to them
@@ -158,6 +158,20 @@ def save_engine_checkpoint(policy: nn.Module, tokenizer, out_dir: str | Path) ->
     return out
 
 
+def fsdp1_root(module, policy: nn.Module) -> Optional[nn.Module]:
+    """Lightning's FSDP1 wrapper (``strategy.model``) when it wraps the module around ``policy``.
+
+    ``FSDPStrategy`` wraps the whole LightningModule, so the policy's embeddings and final
+    norm belong to a unit above the policy: the sync must summon them through this root.
+    """
+    trainer = getattr(module, "_trainer", None)
+    root = getattr(getattr(trainer, "strategy", None), "model", None)
+    fsdp = fsdp1_class()
+    if fsdp is None or root is None or root is policy or not isinstance(root, fsdp):
+        return None
+    return root
+
+
 def _load_bucket(bucket: Bucket, model: nn.Module) -> None:
     # runs inside vLLM's worker (this process): HF names, vLLM shards / fuses them
     model.load_weights(bucket)
@@ -179,6 +193,7 @@ class VLLMEngine:
         tp_group=None,
         sampling_params_cls=None,
         checkpoint_dir=None,
+        module=None,
     ):
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level must be 0 (off), 1 (offload weights) or 2 (discard weights), got {sleep_level}")
@@ -195,6 +210,7 @@ class VLLMEngine:
         self.tp_group = tp_group
         self._sampling_params_cls = sampling_params_cls
         self._checkpoint_dir = checkpoint_dir  # a TemporaryDirectory for builtin models, kept alive
+        self._module = module  # the LightningModule, to find an FSDP1 root around the policy
         self._sync = WeightSync(int(weight_sync_bucket_mb * 2**20))
         self._sleeping: set[str] = set()
         self.sleep()  # free the KV cache until the first rollout (no-op without sleep mode)
@@ -223,16 +239,19 @@ class VLLMEngine:
         kwargs = dict(engine_kwargs)
         engine_options = {
             "weight_sync_bucket_mb": kwargs.pop("weight_sync_bucket_mb", 256),
-            "sleep_level": int(kwargs.pop("sleep_level", 0)),
+            "sleep_level": int(kwargs.pop("sleep_level", 0) or 0),
             "load_mode": kwargs.pop("load_mode", "direct"),
         }
         hp = module.hparams
         tp = int(kwargs.pop("tensor_parallel_size", 1))
         trainer = getattr(module, "_trainer", None)
-        rank, local_rank, world_size = (trainer.global_rank, trainer.local_rank, trainer.world_size) if trainer is not None else (0, 0, 1)
+        rank, local_rank, world_size = 0, 0, 1
+        if trainer is not None:
+            rank, local_rank, world_size = trainer.global_rank, trainer.local_rank, trainer.world_size
         groups = tensor_parallel_groups(world_size, tp)
         if world_size > 1 and not torch.distributed.is_initialized():
-            raise RuntimeError("engine=vllm with several processes needs torch.distributed initialized (a Lightning strategy)")
+            raise RuntimeError("engine=vllm with several processes needs torch.distributed initialized "
+                               "(a Lightning strategy)")
 
         if "logprobs_mode" not in kwargs:
             kwargs["logprobs_mode"], gap = choose_logprobs_mode(hp.temperature, hp.top_k, hp.top_p)
@@ -241,6 +260,7 @@ class VLLMEngine:
         if kwargs.get("max_model_len") is None:
             kwargs["max_model_len"] = infer_max_model_len(module)
             if kwargs["max_model_len"] is None:
+                del kwargs["max_model_len"]  # vLLM's default: the model's context length
                 warnings.warn("engine=vllm: max_model_len unknown (no data.prompt_length); vLLM will plan its KV cache "
                               "for the model's full context. Set model.engine_kwargs.max_model_len", stacklevel=2)
 
@@ -253,7 +273,9 @@ class VLLMEngine:
 
         os.environ.update(launcher_env(rank, local_rank, world_size))  # before vLLM reads its environment
         vllm = importlib.import_module("vllm")
-        base_seed = hp.rollout_seed if getattr(hp, "rollout_seed", None) is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        base_seed = getattr(hp, "rollout_seed", None)
+        if base_seed is None:
+            base_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         llm_kwargs = dict(
             model=model_path,
             dtype=hp.dtype,
@@ -273,7 +295,8 @@ class VLLMEngine:
             # gloo: the group only exchanges prompt lists (Python objects)
             tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups, backend="gloo")
         return cls(llm, eos_token_ids, module.tokenizer.pad_token_id, tp_group=tp_group,
-                   sampling_params_cls=vllm.SamplingParams, checkpoint_dir=checkpoint_dir, **engine_options)
+                   sampling_params_cls=vllm.SamplingParams, checkpoint_dir=checkpoint_dir, module=module,
+                   **engine_options)
 
     # -- the protocol -----------------------------------------------------------------------
     def update_weights(self, policy: nn.Module, version: int) -> Optional[dict[str, float]]:
@@ -282,7 +305,8 @@ class VLLMEngine:
         if "weights" in self._sleeping:  # wake only the weights; the KV cache stays freed
             self.llm.wake_up(tags=["weights"])
             self._sleeping.discard("weights")
-        stats = self._sync.sync(policy, version, self._load)
+        root = fsdp1_root(self._module, policy) if self._module is not None else None
+        stats = self._sync.sync(policy, version, self._load, root=root)
         if not self._sleeping:  # sleeping (level >= 1) already dropped the prefix cache
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         return stats

@@ -74,7 +74,7 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 
 
 # -- gathering ---------------------------------------------------------------------------
-def _fsdp1_class():
+def fsdp1_class():
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # torch built without distributed
@@ -87,7 +87,7 @@ def sharding_kind(model: nn.Module) -> str:
     params = list(model.parameters())
     if any(is_deepspeed_param(p) for p in params):
         return "deepspeed"
-    fsdp = _fsdp1_class()
+    fsdp = fsdp1_class()
     if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
         return "fsdp1"
     if any(hasattr(p, "full_tensor") for p in params):
@@ -104,7 +104,8 @@ def _data(tensor: Tensor) -> Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-def _iter_by_size(named: list[tuple[str, Tensor]], bucket_bytes: int, materialize: Callable[[Tensor], Tensor]) -> Iterator[Bucket]:
+def _iter_by_size(named: list[tuple[str, Tensor]], bucket_bytes: int,
+                  materialize: Callable[[Tensor], Tensor]) -> Iterator[Bucket]:
     for indices in plan_buckets([full_nbytes(p) for _, p in named], bucket_bytes):
         bucket = [(named[i][0], _data(materialize(named[i][1]))) for i in indices]
         yield bucket
@@ -139,40 +140,61 @@ def _fsdp1_own_params(module: nn.Module, prefix: str, fsdp_cls) -> Iterator[tupl
             yield from _fsdp1_own_params(child, f"{prefix}{child_name}.", fsdp_cls)
 
 
-def _iter_fsdp1(model: nn.Module, bucket_bytes: int) -> Iterator[Bucket]:
-    fsdp_cls = _fsdp1_class()
-    units = [(name, m) for name, m in model.named_modules() if isinstance(m, fsdp_cls)]
-    if not isinstance(model, fsdp_cls):
+def _is_on_path(unit_path: str, path: str) -> bool:
+    """A unit holds parameters of the module at ``path`` when it is above or below it."""
+    if not path or not unit_path or unit_path == path:
+        return True
+    return path.startswith(unit_path + ".") or unit_path.startswith(path + ".")
+
+
+def _iter_fsdp1(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] = None) -> Iterator[Bucket]:
+    fsdp_cls = fsdp1_class()
+    root = model if root is None else root
+    # where the model sits inside the root (Lightning's FSDPStrategy wraps the whole
+    # LightningModule, so the policy's embeddings belong to a unit above the policy)
+    paths = [engine_name(name + ".")[:-1] for name, m in root.named_modules() if m is model]
+    if not paths:
+        raise ValueError("the FSDP root given for the weight sync does not contain the policy")
+    path = paths[0]
+    keep = f"{path}." if path else ""
+
+    def ours(named):  # the model's own parameters, named relative to the model
+        return [(name[len(keep):], p) for name, p in ((engine_name(n), p) for n, p in named) if name.startswith(keep)]
+
+    if not isinstance(root, fsdp_cls):
         # parameters outside every unit are not sharded
-        outer = list(_fsdp1_own_params(model, "", fsdp_cls))
+        outer = ours(_fsdp1_own_params(root, "", fsdp_cls))
         if outer:
-            yield from _iter_by_size([(engine_name(n), p) for n, p in outer], bucket_bytes, lambda p: p)
+            yield from _iter_by_size(outer, bucket_bytes, lambda p: p)
     seen: set[int] = set()
-    for unit_name, unit in units:
+    for unit_name, unit in root.named_modules():
+        if not isinstance(unit, fsdp_cls) or not _is_on_path(engine_name(unit_name + ".")[:-1], path):
+            continue  # the same decision on every rank: summoning is a collective
         prefix = f"{unit_name}." if unit_name else ""
         # one unit (typically one decoder layer) unsharded at a time, without writeback
         with fsdp_cls.summon_full_params(unit, recurse=False, writeback=False):
             named = []
-            for name, param in _fsdp1_own_params(unit, prefix, fsdp_cls):
+            for name, param in ours(_fsdp1_own_params(unit, prefix, fsdp_cls)):
                 if id(param) not in seen:  # tied weights appear once
                     seen.add(id(param))
-                    named.append((engine_name(name), param))
+                    named.append((name, param))
             # buckets never span units: the gathered unit is freed when its context closes
             yield from _iter_by_size(named, bucket_bytes, lambda p: p)
 
 
-def iter_buckets(model: nn.Module, bucket_bytes: int) -> Iterator[Bucket]:
+def iter_buckets(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] = None) -> Iterator[Bucket]:
     """Full parameters of ``model`` as ``(hf_name, tensor)`` buckets, in a fixed order.
 
     Tensors of a bucket are only valid until the next one is requested (ZeRO-3 and FSDP1
     release them). Sharded gathers are collectives: every rank must consume the whole
     iterator. Buffers are not sent: the engine computes its own (rotary tables...).
+    ``root``: an FSDP1 wrapper that contains ``model`` (Lightning's ``strategy.model``).
     """
-    kind = sharding_kind(model)
+    kind = sharding_kind(model if root is None else root)
     if kind == "deepspeed":
         return _iter_deepspeed(model, bucket_bytes)
     if kind == "fsdp1":
-        return _iter_fsdp1(model, bucket_bytes)
+        return _iter_fsdp1(model, bucket_bytes, root)
     return _iter_by_size(_named_params(model), bucket_bytes, _full_tensor)
 
 
@@ -198,13 +220,14 @@ class WeightSync:
         self.stale = True
 
     @torch.no_grad()
-    def sync(self, model: nn.Module, version: int, load: Callable[[Iterator[Bucket]], Any]) -> Optional[dict[str, float]]:
+    def sync(self, model: nn.Module, version: int, load: Callable[[Iterator[Bucket]], Any],
+             root: Optional[nn.Module] = None) -> Optional[dict[str, float]]:
         if not self.needs_sync(version):
             return None
         stats = {"bytes": 0.0, "tensors": 0.0, "buckets": 0.0}
 
         def counted() -> Iterator[Bucket]:
-            for bucket in iter_buckets(model, self.bucket_bytes):
+            for bucket in iter_buckets(model, self.bucket_bytes, root):
                 stats["buckets"] += 1
                 stats["tensors"] += len(bucket)
                 stats["bytes"] += float(sum(t.numel() * t.element_size() for _, t in bucket))
@@ -220,7 +243,8 @@ class WeightSync:
         finally:
             stream.close()  # leave gather contexts even when the engine failed
         if leftover:
-            raise RuntimeError(f"the engine stopped reading weights with {leftover} bucket(s) left: it holds a partial update")
+            raise RuntimeError(f"the engine stopped reading weights with {leftover} bucket(s) left: "
+                               "it holds a partial update")
         stats["seconds"] = time.perf_counter() - start
         self.version = version
         self.stale = False
@@ -284,6 +308,6 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
 
 
 __all__ = [
-    "WeightSync", "engine_name", "full_nbytes", "iter_buckets", "outputs_to_generation",
+    "WeightSync", "engine_name", "fsdp1_class", "full_nbytes", "iter_buckets", "outputs_to_generation",
     "plan_buckets", "sharding_kind",
 ]
