@@ -65,7 +65,9 @@ class GSPOModule(L.LightningModule):
         rewards: the reward functions (import path, weight, kwargs, name).
         on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
         engine: ``hf`` (the policy itself, any device) or ``vllm`` (GPU, ``pip install .[vllm]``).
-        engine_kwargs: extra engine arguments (vLLM: ``gpu_memory_utilization``, ...).
+        engine_kwargs: extra engine arguments; vLLM: ``gpu_memory_utilization`` (0.3),
+            ``weight_sync_bucket_mb`` (256), ``sleep_level`` (0: off), ``tensor_parallel_size``,
+            ``max_model_len``, ``load_mode`` and any ``vllm.LLM`` argument (see docs/vllm.md).
         num_return_sequences_in_group: responses per prompt, ``G`` (ROLL's key).
         response_length: most new tokens per response (ROLL's key).
         temperature: sampling temperature; log-probs are taken at the same temperature.
@@ -95,8 +97,10 @@ class GSPOModule(L.LightningModule):
         kl_loss_coef: its coefficient.
         kl_estimator: ``k1``, ``k2`` or ``k3`` for both KL terms.
         ppo_epochs: passes over each rollout batch.
-        mini_batch_size: responses per optimizer step (``null``: the whole rollout, one step).
-        micro_batch_size: responses per forward/backward (``null``: the whole mini-batch).
+        mini_batch_size: responses per optimizer step, over all ranks (``null``: the whole
+            rollout batch, one step). Several per rollout are what let the clip act.
+        micro_batch_size: responses per forward/backward on each rank (``null``: the whole
+            local mini-batch); a memory knob that never changes the gradient.
         max_grad_norm: gradient norm clip (``null``: off).
         old_logprobs: ``recompute`` the old policy's log-probs with the trainer, or take the
             ``engine``'s sampled-token log-probs (no extra pass; the paper's shortcut).
@@ -315,10 +319,14 @@ class GSPOModule(L.LightningModule):
         from lightning.pytorch.strategies import DDPStrategy
 
         self.grad_sync, self.loss_scale = "none", 1.0
+        if type(self.trainer.strategy).__name__ == "DeepSpeedStrategy":
+            self.grad_sync = "deepspeed"
         if self.world_size == 1:
             return
         strategy = self.trainer.strategy
-        if isinstance(strategy, DDPStrategy):
+        if type(strategy).__name__ == "DeepSpeedStrategy":
+            self.grad_sync, self.loss_scale = "deepspeed", float(self.world_size)
+        elif isinstance(strategy, DDPStrategy):
             self.trainer.model.require_backward_grad_sync = False
             self.grad_sync = "manual"
         else:
@@ -535,8 +543,8 @@ class GSPOModule(L.LightningModule):
                         kl_coef=hp.kl_loss_coef if hp.use_kl_loss else 0.0, kl_estimator=hp.kl_estimator,
                         num_seqs=counts[0], num_tokens=counts[1], horizon=hp.response_length,
                     )
-                    if not torch.isfinite(loss):
-                        finite = False
+                    if not self._finite_on_all_ranks(loss):
+                        finite = False  # every rank skips together: sharded backwards are collective
                         break
                     if aux_loss is not None:
                         # the load-balancing loss is a mean per micro-batch: weigh it by its share
@@ -584,7 +592,15 @@ class GSPOModule(L.LightningModule):
         aux = capture.load_balancing_loss(rollout.attention_mask[rows]) if capture is not None else None
         return logprobs, entropy, aux
 
+    def _finite_on_all_ranks(self, loss: Tensor) -> bool:
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss)) else 1.0], device=self.device)
+        return bool(self.all_reduce_sum(bad).item() == 0)
+
     def _clip_gradients(self) -> Tensor:
+        if self.grad_sync == "deepspeed":
+            # DeepSpeed owns the gradients (set gradient_clipping in its config) and skips
+            # overflowing steps itself
+            return torch.tensor(0.0, device=self.device)
         params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

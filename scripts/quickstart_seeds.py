@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 
 def rewards(folder: Path) -> list[float]:
     metrics = sorted(folder.glob("csv/version_*/metrics.csv"))[-1]
@@ -28,12 +30,15 @@ def main() -> None:
     for seed in args.seeds:
         folder = Path(args.out) / f"seed{seed}"
         start = time.time()
-        subprocess.run([
-            sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", args.config, f"--seed_everything={seed}",
-            f"--trainer.default_root_dir={folder}", "--trainer.enable_progress_bar=false",
-            f"--trainer.logger+=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={folder}",
-            "--trainer.logger.name=csv",
-        ], check=True, capture_output=True)
+        config = yaml.safe_load(Path(args.config).read_text())
+        config["seed_everything"] = seed
+        config["trainer"].update(default_root_dir=str(folder), enable_progress_bar=False)
+        for logger in config["trainer"]["logger"]:
+            logger["init_args"]["save_dir"] = str(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(folder / "config.yaml")],
+                       check=True, capture_output=True)
         values = rewards(folder)
         tenth = max(1, len(values) // 10)
         first, last = sum(values[:tenth]) / tenth, sum(values[-tenth:]) / tenth

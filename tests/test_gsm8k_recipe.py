@@ -54,3 +54,12 @@ def test_gpu_recipe_parses():
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     assert config["model"]["importance_sampling"] == "seq" and config["model"]["engine"] == "vllm"
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (ROOT / "configs" / "scale").glob("*.yaml")))
+def test_scaling_presets_parse_on_top_of_the_recipe(preset, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "configs/gsm8k_qwen3.yaml", "--config", f"configs/scale/{preset}", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "strategy" in capsys.readouterr().out
