@@ -148,11 +148,15 @@ def normalize_rewards(
     return (rewards - mean) / (std + eps)
 
 
-def clip_rewards(rewards: Tensor, reward_clip: Optional[float]) -> Tensor:
-    """Step 3."""
-    if reward_clip is None:
-        return rewards
-    return rewards.clamp(-reward_clip, reward_clip)
+def symmetric_clip(values: Tensor, bound: Optional[float]) -> Tensor:
+    """``clamp(values, -bound, bound)``; ``None`` leaves them as they are."""
+    if bound is None:
+        return values
+    return values.clamp(-bound, bound)
+
+
+clip_rewards = symmetric_clip  # step 3 (reward_clip)
+clip_advantages = symmetric_clip  # step 7 (advantage_clip)
 
 
 def token_level_rewards(
@@ -223,13 +227,6 @@ def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-6, reduce_sum: SumRe
     mean, std, _ = moments(values, mask, reduce_sum=reduce_sum)
     out = (values - mean.to(values.dtype)) / (std.to(values.dtype) + eps)
     return torch.where(mask.bool(), out, torch.zeros_like(out))
-
-
-def clip_advantages(advantages: Tensor, advantage_clip: Optional[float]) -> Tensor:
-    """Step 7."""
-    if advantage_clip is None:
-        return advantages
-    return advantages.clamp(-advantage_clip, advantage_clip)
 
 
 def rewards_to_advantages(

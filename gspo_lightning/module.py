@@ -415,7 +415,6 @@ class GSPOModule(L.LightningModule):
             chunk_size=None if self.sharded else self.hparams.logprob_chunk_size,
         )
 
-    @torch.no_grad()
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:
         """Log-probs of every response in micro-batches (old policy / reference passes)."""
         micro = self.hparams.micro_batch_size or rollout.num_responses
@@ -423,9 +422,13 @@ class GSPOModule(L.LightningModule):
         was_training = model.training
         model.eval()
         try:
-            return torch.cat([self._logprobs(model, rollout, chunk)[0] for chunk in rows.split(micro)])
+            # inference_mode is leaner than no_grad, but MoE routing records must stay
+            # ordinary tensors: they are used again under autograd during replay
+            with torch.no_grad() if self.router is not None else torch.inference_mode():
+                logprobs = torch.cat([self._logprobs(model, rollout, chunk)[0] for chunk in rows.split(micro)])
         finally:
             model.train(was_training)
+        return logprobs.clone()  # a normal tensor again, usable next to autograd tensors
 
     def local_mini_batch_size(self, num_responses: int) -> int:
         """Responses per optimizer step on this rank (``mini_batch_size`` counts all ranks)."""
@@ -507,6 +510,8 @@ class GSPOModule(L.LightningModule):
         values["policy_version"] = float(self.policy_version)
         values["skipped_updates"] = float(self.skipped_updates)
         values["lr"] = float(self.optimizers().param_groups[0]["lr"])
+        datamodule = getattr(self.trainer, "datamodule", None)
+        values.update(getattr(datamodule, "stats", {}))  # prompts kept / truncated / dropped / bad
         progress = {"reward": values["reward/mean"], "step_s": values["time/step"]}
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=num)
         self.log_dict(progress, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=num)

@@ -446,7 +446,9 @@ class RoutingRecorder:
         index = index.detach().reshape(forward.batch, forward.length, -1)
 
         if self._recording:
-            forward.indices[layer] = index.to(torch.int16 if router.num_experts < 2**15 else torch.int32)
+            dtype = torch.int16 if router.num_experts < 2**15 else torch.int32
+            with torch.inference_mode(False):  # a normal tensor even when recorded under inference_mode
+                forward.indices[layer] = index.to(dtype, copy=True)
         if self._measure is not None:
             recorded = self.record_indices[layer][self._measure_rows]
             self._count_change(index, recorded, forward)

@@ -74,6 +74,11 @@ def main():
     torch.set_num_threads(1)
     for case in args.cases:
         run_case(args.strategy, case, args.out_dir)
+    # tear the process group down before exit: a gloo thread alive at interpreter
+    # shutdown aborts the process ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def run_case(strategy_name: str, case: str, out_dir: str):
