@@ -42,13 +42,25 @@ class GSPOCLI(LightningCLI):
         })
 
 
+# Warnings that say nothing actionable for a GSPO run.
+QUIET = [
+    ".*Using ModelCheckpoint with manual optimization.*",  # GSPO steps the optimizer itself, by design
+    ".*does not have many workers.*",  # prompts are in memory; rollouts dominate a step
+    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
+]
+
+
 def main(args: Optional[list[str]] = None) -> None:
+    import warnings
+
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from gspo_lightning.data import PromptDataModule
     from gspo_lightning.module import GSPOModule
     from gspo_lightning.preemption import Preempted
 
+    for pattern in QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
     try:
         GSPOCLI(
             GSPOModule,

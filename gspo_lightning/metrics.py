@@ -19,6 +19,7 @@ class StepMetrics(nn.Module):
         super().__init__()
         self.aggregates = nn.ModuleDict()
         self.kinds: dict[str, str] = {}
+        self.updated: set[str] = set()  # names updated since the last compute
 
     @staticmethod
     def _key(name: str) -> str:
@@ -31,6 +32,7 @@ class StepMetrics(nn.Module):
             self.aggregates[key] = _KINDS[kind](nan_strategy="ignore", sync_on_compute=True).to(device)
             self.kinds[name] = kind
         metric = self.aggregates[key]
+        self.updated.add(name)
         value = torch.as_tensor(value, dtype=torch.float32, device=metric.device).detach()
         if kind == "mean":
             weight = torch.as_tensor(weight, dtype=torch.float32, device=metric.device).detach()
@@ -39,10 +41,13 @@ class StepMetrics(nn.Module):
             metric.update(value)
 
     def compute(self) -> dict[str, float]:
-        """All aggregates as floats, then reset for the next step."""
+        """The aggregates updated since the last call, as floats; then reset for the next step."""
         out = {}
-        for name in self.kinds:
+        for name in self.kinds:  # same order on every rank: compute() syncs collectively
+            if name not in self.updated:
+                continue
             metric = self.aggregates[self._key(name)]
             out[name] = float(metric.compute())
             metric.reset()
+        self.updated.clear()
         return out

@@ -557,7 +557,7 @@ class GSPOModule(L.LightningModule):
                     # the loss already divides by global counts: the step's gradient is the
                     # SUM over ranks (sharded strategies average, hence the factor)
                     self.manual_backward(loss * self.loss_scale)
-                    minibatch_loss += float(loss)
+                    minibatch_loss += float(loss.detach())
                     self._loss_metrics(metrics, micro_mask, lengths[rows], entropy)
                     if first_minibatch and epoch == 0:
                         self._mismatch_metrics(rollout, rows, logprobs.detach())
