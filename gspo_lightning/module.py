@@ -296,6 +296,12 @@ class GSPOModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._setup_gradient_sync()
+        # batch sizes that do not divide fail now, not after the first rollout
+        prompts = getattr(getattr(self.trainer, "datamodule", None), "hparams", {}).get("rollout_batch_size")
+        if prompts is not None:
+            if prompts % self.world_size:
+                raise ValueError(f"data.rollout_batch_size={prompts} does not split over {self.world_size} ranks")
+            self.updates_per_rollout(prompts // self.world_size * self.hparams.num_return_sequences_in_group)
         self._make_engine()
 
     def on_fit_end(self) -> None:

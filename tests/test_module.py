@@ -130,6 +130,13 @@ def test_impossible_configs_fail_at_start(overrides, message):
         make_module(**overrides)
 
 
+def test_mini_batch_that_does_not_divide_the_rollout_fails_before_generating(tmp_path):
+    module = make_module(mini_batch_size=6)  # 4 prompts x 4 responses = 16 per step
+    module.engine = "never used"  # generation would fail on this: the check must come first
+    with pytest.raises(ValueError, match="do not split into mini-batches of 6"):
+        fit(module, tmp_path, max_steps=1)
+
+
 def test_token_sized_clip_on_sequence_ratios_warns():
     with pytest.warns(UserWarning, match="almost never clips"):
         make_module(clip_high=0.2)
