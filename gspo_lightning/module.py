@@ -221,6 +221,8 @@ class GSPOModule(L.LightningModule):
             problems.append("reward_shift / reward_scale act only with a reward_norm: set reward_norm (group, batch or running) or turn them off")
         if hp.reward_shift and hp.reward_scale:
             problems.append("reward_shift and reward_scale are exclusive (set neither to both shift and scale)")
+        if hp.routing_replay and hp.old_logprobs == "engine":
+            problems.append("routing_replay records routing in the trainer's old-policy pass: set old_logprobs=recompute")
         if hp.add_token_level_kl and hp.kl_coef == 0:
             problems.append("add_token_level_kl needs kl_coef > 0")
         if hp.ppo_epochs < 1:

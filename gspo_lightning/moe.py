@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["RoutingRecorder", "RoutingChange", "RouterLogitsCapture", "load_balancing_loss"]
@@ -166,6 +165,10 @@ def _first_param(module: nn.Module) -> Tensor:
     return next(module.parameters())
 
 
+class _NotATopKRouter(TypeError):
+    """The module does not return ``(logits, weights, indices)``."""
+
+
 def _probe_weight_rule(router: nn.Module, hidden: int, top_k: int) -> Optional[str]:
     """Run the router once on random input and find which rule gives its weights."""
     param = _first_param(router)
@@ -175,6 +178,8 @@ def _probe_weight_rule(router: nn.Module, hidden: int, top_k: int) -> Optional[s
     x = torch.randn(16, hidden, generator=generator).to(device=param.device, dtype=param.dtype)
     with torch.no_grad():
         out = router(x)
+    if not isinstance(out, (tuple, list)) or len(out) < 3:
+        raise _NotATopKRouter(type(router).__name__)
     logits, weights, index = out[0], out[1], out[2]
     for exact in (True, False):
         for name, rule in WEIGHT_RULES.items():
@@ -184,6 +189,15 @@ def _probe_weight_rule(router: nn.Module, hidden: int, top_k: int) -> Optional[s
             if torch.equal(guess, weights) if exact else torch.allclose(guess.float(), weights.float(), rtol=1e-2, atol=1e-3):
                 return name
     return None
+
+
+def _weight_rule_from_attributes(router: nn.Module) -> Optional[str]:
+    """The weighting when probing is impossible: ``norm_topk_prob`` if the router has it,
+    Mixtral's renormalization by name, else unknown (replay will refuse)."""
+    norm = getattr(router, "norm_topk_prob", None)
+    if norm is None:
+        return "renormalized" if "mixtral" in type(router).__name__.lower() else None
+    return "renormalized" if norm else "softmax"
 
 
 def _find_routers(model: nn.Module) -> list[_Router]:
@@ -205,8 +219,10 @@ def _find_routers(model: nn.Module) -> list[_Router]:
                 continue
             try:
                 rule = _probe_weight_rule(module, hidden, top_k)
-            except (TypeError, IndexError, RuntimeError):  # not a (logits, weights, indices) router
+            except _NotATopKRouter:
                 continue
+            except Exception:  # noqa: BLE001 - e.g. sharded (DTensor) weights cannot run alone
+                rule = _weight_rule_from_attributes(module)
             routers.append(_Router(module, "tuple", int(top_k), int(num_experts), rule, owners.get(id(module), module)))
         if routers:
             return routers
@@ -398,6 +414,7 @@ class RoutingRecorder:
 
     def _decoder_pre_hook(self, module, args, kwargs):
         if not self._active:
+            self._forward = None  # nothing stale from a forward that raised
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
@@ -431,11 +448,11 @@ class RoutingRecorder:
         layer = self._layer[id(module)]
         router = self.routers[layer]
         forward = self._forward
-        if forward is None:
+        if forward is None or not self._active:
             # outside any recorder block, or a checkpointed layer re-running in backward
             if layer in self._pending and torch.is_grad_enabled() and _in_backward():
                 return self._replace(router, output, self._pending.pop(layer))
-            if self._active:
+            if self._active and not _in_backward():
                 raise RuntimeError("RoutingRecorder: a router ran outside a decoder forward; call the model or its decoder")
             return None
         logits = output[0] if router.kind == "tuple" else output

@@ -124,6 +124,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path):
     (dict(mini_batch_size=6, micro_batch_size=4), "not a multiple of micro_batch_size"),
     (dict(add_token_level_kl=True), "needs kl_coef > 0"),
     (dict(dual_clip_loss=True, dual_clip=0.5), "dual_clip must be > 1"),
+    (dict(routing_replay=True, old_logprobs="engine"), "set old_logprobs=recompute"),
 ])
 def test_impossible_configs_fail_at_start(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -103,6 +103,19 @@ def test_finds_every_moe_layer_and_its_weighting(model_type, overrides):
     assert {r.weight_rule for r in rec.routers} == {"renormalized" if normalized else "softmax"}
 
 
+def test_a_router_that_cannot_be_probed_falls_back_to_its_attributes(monkeypatch):
+    import gspo_lightning.moe as moe
+
+    def fail(*args):
+        raise RuntimeError("sharded weights")
+
+    monkeypatch.setattr(moe, "_probe_weight_rule", fail)
+    for norm in (True, False):
+        rec = RoutingRecorder(tiny_moe("qwen2_moe", norm_topk_prob=norm))
+        assert {r.weight_rule for r in rec.routers} == {"renormalized" if norm else "softmax"}
+    assert {r.weight_rule for r in RoutingRecorder(tiny_moe("mixtral")).routers} == {"renormalized"}
+
+
 def test_dense_model_raises_naming_the_class(tiny_echo):
     model, _ = tiny_echo
     with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
@@ -173,6 +186,18 @@ def test_replay_with_unchanged_weights_gives_the_recorded_logprobs(model_type, o
     with rec.replay(rows):
         subset = logprobs(model, ids, mask, rows)
     torch.testing.assert_close(subset, old[rows], atol=1e-6, rtol=1e-6)
+
+
+def test_a_record_made_under_inference_mode_replays_under_autograd():
+    model = tiny_moe("qwen2_moe").train()
+    rec = RoutingRecorder(model)
+    ids, mask = batch()
+    with torch.inference_mode(), rec.record():
+        logprobs(model, ids, mask)
+    rows = torch.tensor([1, 2])
+    with rec.replay(rows):
+        logprobs(model, ids, mask, rows).sum().backward()
+    assert all(r.module.weight.grad.abs().sum() > 0 for r in rec.routers)
 
 
 def test_gradients_reach_the_router_under_replay():
