@@ -260,6 +260,10 @@ class PromptDataModule(L.LightningDataModule):
             "columns": columns,
         }
 
+    def transfer_batch_to_device(self, batch: dict, device, dataloader_idx: int) -> dict:
+        # prompts are python lists; the rollout callback puts tensors on the device itself
+        return batch
+
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         world = self.trainer.world_size if self.trainer is not None else 1

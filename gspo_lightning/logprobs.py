@@ -29,8 +29,9 @@ def _token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tupl
         logits = logits / temperature
     log_probs = F.log_softmax(logits, dim=-1)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return picked, entropy.detach()
+    with torch.no_grad():  # a metric: no graph, and checkpoint recomputation skips it
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return picked, entropy
 
 
 def supports_chunked(model: nn.Module) -> bool:
@@ -51,7 +52,7 @@ def response_logprobs(
     prompt_width: int,
     *,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = 1024,
+    chunk_size: Optional[int] = 512,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies ``(N, R)`` of the tokens after the first ``prompt_width``.
 

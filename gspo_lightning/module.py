@@ -161,7 +161,7 @@ class GSPOModule(L.LightningModule):
         micro_batch_size: Optional[int] = None,
         max_grad_norm: Optional[float] = 1.0,
         old_logprobs: Literal["recompute", "engine"] = "recompute",
-        logprob_chunk_size: Optional[int] = 1024,
+        logprob_chunk_size: Optional[int] = 512,
         max_consecutive_nonfinite: int = 3,
         routing_replay: bool = False,
         router_aux_loss_coef: float = 0.0,
