@@ -31,10 +31,8 @@ COPY . .
 RUN pip install ".[vllm,deepspeed,math]" \
     && gspo --help > /dev/null
 
-# GSPO_SHARED_DATA: builtin:tiny-gsm8k reads $GSPO_SHARED_DATA/gsm8k/train.jsonl (mount ./data).
 # HF_HOME under /workspace: mount it to keep downloaded models between runs.
-ENV GSPO_SHARED_DATA=/workspace/data \
-    HF_HOME=/workspace/.cache/huggingface
+ENV HF_HOME=/workspace/.cache/huggingface
 WORKDIR /workspace
 VOLUME ["/workspace/runs"]
 

@@ -12,11 +12,12 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, Union
 
 import lightning as L
 from torch.utils.data import DataLoader, Sampler
 
+from gspo_lightning.datasets import BUILTIN_FILES
 from gspo_lightning.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
 
 log = logging.getLogger(__name__)
@@ -26,20 +27,43 @@ class DataError(ValueError):
     """A data file or row cannot be used; the message names the file and line."""
 
 
-def read_rows(path: str, *, bad_rows: str = "error", num_builtin_rows: int = 20000, seed: int = 0) -> tuple[list[dict], int]:
-    """Rows of a jsonl / json / parquet file, a saved ``datasets`` folder, or ``builtin:<task>``.
+def is_generated(path: str) -> bool:
+    """Whether ``path`` names a synthetic task whose rows are drawn from a seed (``builtin:echo``)."""
+    return path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] in BUILTIN_DATASETS
 
-    Returns ``(rows, skipped)``; with ``bad_rows="error"`` a malformed jsonl line raises
-    :class:`DataError` naming the file and line.
-    """
+
+def resolve_path(path: str) -> Path:
+    """The file or folder behind a data path: ``builtin:<name>`` for a file shipped in the
+    package (``builtin:gsm8k``), else the path itself (relative to the working directory)."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX):]
-        if name not in BUILTIN_DATASETS:
-            raise DataError(f"unknown builtin dataset {path!r}; choose one of {sorted(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS)}")
-        return BUILTIN_DATASETS[name](num_builtin_rows, seed), 0
-    p = Path(path).expanduser()
+        if name not in BUILTIN_FILES:
+            choices = sorted(BUILTIN_PREFIX + k for k in [*BUILTIN_DATASETS, *BUILTIN_FILES])
+            raise DataError(f"unknown builtin dataset {path!r}; choose one of {choices}")
+        return BUILTIN_FILES[name]
+    return Path(path).expanduser()
+
+
+def read_rows(path: str, *, bad_rows: str = "error", num_builtin_rows: int = 20000, seed: int = 0) -> tuple[list[dict], int]:
+    """Rows of a jsonl / json / parquet file, a saved ``datasets`` folder, or ``builtin:<name>``.
+
+    Returns ``(rows, skipped)``; with ``bad_rows="error"`` a malformed jsonl line raises
+    :class:`DataError` naming the file and line. A source with no rows is an error.
+    """
+    if is_generated(path):
+        return BUILTIN_DATASETS[path[len(BUILTIN_PREFIX):]](num_builtin_rows, seed), 0
+    p = resolve_path(path)
     if not p.exists():
-        raise DataError(f"data path {str(p)!r} does not exist")
+        raise DataError(f"data path {str(p)!r} does not exist (relative paths start at the working directory "
+                        f"{str(Path.cwd())!r}; builtin data: {sorted(BUILTIN_PREFIX + k for k in BUILTIN_FILES)})")
+    rows, skipped = _read_source(p, bad_rows)
+    if not rows:
+        detail = f" ({skipped} malformed rows skipped)" if skipped else ""
+        raise DataError(f"{p} has no rows{detail}: point the data path at a file with at least one row")
+    return rows, skipped
+
+
+def _read_source(p: Path, bad_rows: str) -> tuple[list[dict], int]:
     if p.is_dir():
         from datasets import load_from_disk
 
@@ -116,16 +140,24 @@ class PromptDataModule(L.LightningDataModule):
 
     Args:
         path: training prompts: ``.jsonl`` / ``.json`` / ``.parquet`` file, a saved
-            ``datasets`` folder, or ``builtin:echo`` (the offline synthetic task).
-        val_path: held-out prompts for validation (same formats). ``None``: for a builtin
+            ``datasets`` folder, a file shipped with the package (``builtin:gsm8k``,
+            ``builtin:gsm8k-heldout``) or a synthetic task (``builtin:echo``,
+            ``builtin:count``, ``builtin:alternate``). Relative paths start at the working
+            directory.
+        val_path: held-out prompts for validation (same formats). ``None``: for a synthetic
             task, ``val_size`` fresh rows drawn with another seed; for a file, its last
             ``val_size`` rows, held out of training.
         val_size: number of validation prompts (``None`` or 0 with no ``val_path``: no validation).
-        prompt_field: the column holding the prompt text.
+        test_path: prompts that ``gspo test`` scores (same formats; a synthetic task draws
+            ``val_size`` rows with a third seed). ``gspo test`` without it is an error.
+        tokenizer: the tokenizer that turns prompts into token ids: a hub id, a local folder
+            or ``builtin:<name>``. The ``gspo`` command sets it to ``model.model_name_or_path``.
+        prompt_field: the column holding the prompt: text, or a list of chat messages
+            (``[{role, content}, ...]``, TRL's conversational format) rendered with the chat template.
         messages_field: a column of chat messages (``[{role, content}, ...]``); when set it
             is rendered with the tokenizer's chat template instead of ``prompt_field``.
         prompt_template: optional Python format string over the row's columns, e.g.
-            ``"Question: {question}\\nAnswer:"``; applied before the chat template.
+            ``"Question: {question}\nAnswer:"``; applied before the chat template.
         use_chat_template: wrap the prompt as one user message with the chat template.
         system_prompt: a system message placed before the user message (chat template only).
         rollout_batch_size: prompts per training step over all ranks (ROLL's key).
@@ -136,7 +168,7 @@ class PromptDataModule(L.LightningDataModule):
             and counts it (also rows missing the prompt column).
         shuffle: reshuffle the prompts on every pass.
         seed: seed of the shuffling and of builtin task rows.
-        val_batch_size: prompts per validation batch.
+        val_batch_size: prompts per validation (and test) batch.
     """
 
     def __init__(
@@ -144,6 +176,8 @@ class PromptDataModule(L.LightningDataModule):
         path: str = "builtin:echo",
         val_path: Optional[str] = None,
         val_size: Optional[int] = 64,
+        test_path: Optional[str] = None,
+        tokenizer: Optional[str] = None,
         prompt_field: str = "prompt",
         messages_field: Optional[str] = None,
         prompt_template: Optional[str] = None,
@@ -163,36 +197,55 @@ class PromptDataModule(L.LightningDataModule):
         if prompt_length < 1:
             raise ValueError(f"data.prompt_length must be >= 1, got {prompt_length}")
         self.save_hyperparameters()
-        self.tokenizer = None
+        self.tokenizer = None  # loaded from hparams.tokenizer on first use, or set directly
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
-        self.stats: dict[str, int] = {}
+        self.test_rows: list[dict] = []
+        self.stats: dict[str, float] = {}
+        # rollout batches used by training steps: the resume position, counted here (not
+        # read from the module) so the data module owns its own state
+        self.batches_consumed = 0
         self.start_batch = 0
 
     # -- preparation -------------------------------------------------------------------
     def _get_tokenizer(self):
-        if self.tokenizer is None and self.trainer is not None:
-            self.tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
+        if self.tokenizer is None and self.hparams.tokenizer is not None:
+            from gspo_lightning.models import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.hparams.tokenizer)
         if self.tokenizer is None:
-            raise RuntimeError("PromptDataModule needs a tokenizer: attach it to a GSPOModule trainer or set .tokenizer")
+            raise ValueError("PromptDataModule needs a tokenizer: set data.tokenizer to the model's name or folder "
+                             "(the gspo command links it to model.model_name_or_path)")
         return self.tokenizer
+
+    def raw_prompt(self, row: dict) -> Union[str, list[dict]]:
+        """The prompt as reward functions see it: the row's messages (conversational), or
+        its text after ``prompt_template``, before any chat template."""
+        hp = self.hparams
+        if hp.messages_field is not None:
+            return _messages(row[hp.messages_field], hp.messages_field)
+        if hp.prompt_template:
+            return hp.prompt_template.format(**row)
+        value = row[hp.prompt_field]
+        if isinstance(value, list):  # TRL's conversational format: a prompt column of messages
+            return _messages(value, hp.prompt_field)
+        if not isinstance(value, str):
+            raise TypeError(f"prompt column {hp.prompt_field!r} holds {type(value).__name__}, not text or messages")
+        return value
 
     def render(self, row: dict) -> str:
         """The prompt text of a row (template and chat template applied)."""
         hp = self.hparams
         tokenizer = self._get_tokenizer()
-        if hp.messages_field is not None:
-            messages = row[hp.messages_field]
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        text = hp.prompt_template.format(**row) if hp.prompt_template else row[hp.prompt_field]
-        if not isinstance(text, str):
-            raise KeyError(f"prompt column {hp.prompt_field!r} holds {type(text).__name__}, not text")
+        prompt = self.raw_prompt(row)
+        if isinstance(prompt, list):
+            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         if hp.use_chat_template:
-            messages = [{"role": "user", "content": text}]
+            messages = [{"role": "user", "content": prompt}]
             if hp.system_prompt:
                 messages.insert(0, {"role": "system", "content": hp.system_prompt})
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return text
+        return prompt
 
     def _prepare(self, rows: list[dict], source: str) -> tuple[list[dict], dict[str, int]]:
         hp = self.hparams
@@ -200,6 +253,7 @@ class PromptDataModule(L.LightningDataModule):
         kept, counts = [], {"truncated": 0, "dropped": 0, "bad": 0}
         for index, row in enumerate(rows):
             try:
+                prompt = self.raw_prompt(row)
                 text = self.render(row)
             except (KeyError, IndexError, TypeError, ValueError) as err:
                 if hp.bad_rows == "error":
@@ -220,22 +274,27 @@ class PromptDataModule(L.LightningDataModule):
                 counts["truncated"] += 1
                 ids = ids[-hp.prompt_length:] if hp.overlong_prompts == "truncate_left" else ids[:hp.prompt_length]
                 text = tokenizer.decode(ids)
-            kept.append({"prompt_ids": ids, "prompt_text": text, "row": row})
+            kept.append({"prompt_ids": ids, "prompt": prompt, "prompt_text": text, "row": row})
         return kept, counts
 
     def setup(self, stage: str) -> None:
         hp = self.hparams
+        if stage == "test":
+            if not self.test_rows:
+                self.test_rows = self._test_rows()
+            return
         if self.train_rows or self.val_rows:
             return
         rows, skipped = read_rows(hp.path, bad_rows=hp.bad_rows, seed=hp.seed)
         if hp.val_path is not None:
             val_rows, _ = read_rows(hp.val_path, bad_rows=hp.bad_rows, seed=hp.seed + 1)
-        elif hp.path.startswith(BUILTIN_PREFIX):
+        elif is_generated(hp.path):
             val_rows, _ = read_rows(hp.path, num_builtin_rows=hp.val_size or 64, seed=hp.seed + 7919)
         elif hp.val_size:
             # no held-out file: hold out the last val_size rows, never trained on
             if hp.val_size >= len(rows):
-                raise DataError(f"val_size={hp.val_size} leaves no training prompts out of {len(rows)} rows in {hp.path}")
+                raise DataError(f"val_size={hp.val_size} leaves no training prompts out of {len(rows)} rows in {hp.path}: "
+                                f"lower data.val_size or set data.val_path")
             rows, val_rows = rows[:-hp.val_size], rows[-hp.val_size:]
         else:
             val_rows = []
@@ -244,24 +303,47 @@ class PromptDataModule(L.LightningDataModule):
         self.val_rows, _ = self._prepare(val_rows, hp.val_path or hp.path)
         if stage == "fit":
             self.train_rows, counts = self._prepare(rows, hp.path)
+            if not self.train_rows:
+                raise DataError(f"no usable training prompts in {hp.path}: {counts}; check data.prompt_field and data.prompt_length")
             counts["bad"] += skipped
-            self.stats = {f"data/train_prompts_{k}": v for k, v in counts.items()}
-            self.stats["data/train_prompts"] = len(self.train_rows)
+            self.stats = {f"data/train_prompts_{k}": float(v) for k, v in counts.items()}
+            self.stats["data/train_prompts"] = float(len(self.train_rows))
             if any(counts.values()):
                 log.warning("training prompts: %d kept, %s", len(self.train_rows), counts)
+
+    def _test_rows(self) -> list[dict]:
+        hp = self.hparams
+        if hp.test_path is None:
+            raise DataError("gspo test scores the prompts of data.test_path, and none is set: set data.test_path "
+                            "to a held-out file (or run gspo validate to score the validation prompts)")
+        rows, _ = read_rows(hp.test_path, bad_rows=hp.bad_rows, num_builtin_rows=hp.val_size or 64, seed=hp.seed + 2 * 7919)
+        return self._prepare(rows, hp.test_path)[0]
 
     # -- loaders -----------------------------------------------------------------------
     @staticmethod
     def collate(items: list[dict]) -> dict[str, Any]:
-        columns = {key: [item["row"][key] for item in items] for key in items[0]["row"]}
+        """One batch: token ids, raw prompts (text or messages), rendered text, other columns."""
+        columns = {key: [item["row"].get(key) for item in items] for key in items[0]["row"]}
         return {
             "prompt_ids": [item["prompt_ids"] for item in items],
+            "prompts": [item["prompt"] for item in items],
             "prompt_text": [item["prompt_text"] for item in items],
             "columns": columns,
         }
 
+    def _collate_train(self, items: list[dict]) -> dict[str, Any]:
+        batch = self.collate(items)
+        batch["stats"] = dict(self.stats)  # prompts kept / truncated / dropped / bad, logged with each step
+        return batch
+
     def transfer_batch_to_device(self, batch: dict, device, dataloader_idx: int) -> dict:
-        # prompts are python lists; the rollout callback puts tensors on the device itself
+        # prompts are python lists; the rollout layer puts tensors on the device itself
+        return batch
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        # Lightning fetches one batch ahead; this hook runs only for the batch a step uses
+        if self.trainer is not None and self.trainer.training:
+            self.batches_consumed += 1
         return batch
 
     def train_dataloader(self) -> DataLoader:
@@ -271,11 +353,12 @@ class PromptDataModule(L.LightningDataModule):
         if hp.rollout_batch_size % world != 0:
             raise ValueError(f"data.rollout_batch_size={hp.rollout_batch_size} does not split evenly over {world} ranks; "
                              f"make it a multiple of {world}")
+        self.batches_consumed = self.start_batch
         sampler = EndlessBatchSampler(
             len(self.train_rows), hp.rollout_batch_size // world, rank=rank, world_size=world,
             shuffle=hp.shuffle, seed=hp.seed, start_batch=self.start_batch,
         )
-        return DataLoader(self.train_rows, batch_sampler=sampler, collate_fn=self.collate)
+        return DataLoader(self.train_rows, batch_sampler=sampler, collate_fn=self._collate_train)
 
     def val_dataloader(self) -> DataLoader:
         if not self.val_rows:
@@ -283,12 +366,18 @@ class PromptDataModule(L.LightningDataModule):
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, shuffle=False, collate_fn=self.collate)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        return DataLoader(self.test_rows, batch_size=self.hparams.val_batch_size, shuffle=False, collate_fn=self.collate)
 
     # -- resume ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        return {"batches_consumed": int(getattr(module, "rollout_steps", 0))}
+        return {"batches_consumed": self.batches_consumed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.start_batch = int(state_dict.get("batches_consumed", 0))
+        self.start_batch = self.batches_consumed = int(state_dict.get("batches_consumed", 0))
+
+
+def _messages(value: Any, column: str) -> list[dict]:
+    """A column cell that must be chat messages ``[{role, content}, ...]``."""
+    if not (isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)):
+        raise TypeError(f"column {column!r} must hold chat messages [{{role, content}}, ...], got {str(value)[:80]!r}")
+    return value

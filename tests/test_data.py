@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,87 @@ def test_builtin_task_and_unknown_builtin():
     assert len(rows) == 5 and rows[0]["prompt"] == f"repeat {rows[0]['target']}"
     with pytest.raises(DataError, match="unknown builtin dataset"):
         read_rows("builtin:nope")
+
+
+def test_tokenizer_comes_from_its_own_argument_not_the_module(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ['{"prompt": "repeat 7"}', '{"prompt": "repeat 3"}'])
+    dm = PromptDataModule(path=path, val_size=0, tokenizer="builtin:tiny-echo")
+    dm.setup("fit")
+    assert dm.train_rows[0]["prompt_ids"] == dm.tokenizer("repeat 7", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="set data.tokenizer"):
+        PromptDataModule(path=path, val_size=0).setup("fit")
+
+
+def test_batches_carry_raw_prompts_rendered_text_columns_and_training_stats(tmp_path, dm_factory):
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"question": f"How many {i}?", "answer": str(i)}) for i in range(4)])
+    dm = dm_factory(path=path, prompt_field="question", use_chat_template=True, val_size=0, rollout_batch_size=2)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"prompt_ids", "prompts", "prompt_text", "columns", "stats"}
+    assert all(p.startswith("How many") for p in batch["prompts"])  # before the chat template
+    assert all(t.startswith("user: How many") for t in batch["prompt_text"])  # after it
+    assert batch["stats"]["data/train_prompts"] == 4.0 and batch["stats"]["data/train_prompts_truncated"] == 0.0
+    assert len(batch["columns"]["answer"]) == 2
+
+
+def test_conversational_prompts_reach_rewards_as_messages(tmp_path, dm_factory):
+    messages = [{"role": "user", "content": "How many clips?"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"prompt": messages, "solution": "3"})])
+    dm = dm_factory(path=path, val_size=0)
+    dm.setup("fit")
+    batch = dm.collate(dm.train_rows)
+    assert batch["prompts"] == [messages]
+    assert batch["prompt_text"] == ["user: How many clips?\nassistant:"]
+    dm = dm_factory(path=path, messages_field="prompt", val_size=0)
+    dm.setup("fit")
+    assert dm.collate(dm.train_rows)["prompts"] == [messages]
+
+
+def test_empty_file_says_it_has_no_rows(tmp_path, dm_factory):
+    (tmp_path / "empty.jsonl").write_text("")
+    dm = dm_factory(path=str(tmp_path / "empty.jsonl"), val_size=16)
+    with pytest.raises(DataError, match="empty.jsonl has no rows"):
+        dm.setup("fit")
+
+
+def test_test_stage_needs_its_own_file(tmp_path, dm_factory):
+    train = write_jsonl(tmp_path / "train.jsonl", ['{"prompt": "How many"}'] * 4)
+    test = write_jsonl(tmp_path / "test.jsonl", ['{"prompt": "Natalia sold"}'] * 3)
+    with pytest.raises(DataError, match="set data.test_path"):
+        dm_factory(path=train, val_size=1).setup("test")
+    dm = dm_factory(path=train, val_size=1, test_path=test)
+    dm.setup("test")
+    batch = next(iter(dm.test_dataloader()))
+    assert batch["prompts"] == ["Natalia sold"] * 3
+
+
+def test_builtin_gsm8k_is_shipped_inside_the_package():
+    import gspo_lightning
+    from gspo_lightning.datasets import BUILTIN_FILES
+
+    package = Path(gspo_lightning.__file__).resolve().parent
+    for name, path in BUILTIN_FILES.items():
+        assert package in path.parents, name
+        assert (path.parent / "LICENSE").read_text().startswith("MIT License")
+    train, _ = read_rows("builtin:gsm8k")
+    held_out, _ = read_rows("builtin:gsm8k-heldout")
+    assert len(train) == 400 and len(held_out) == 100
+    assert not {r["question"] for r in train} & {r["question"] for r in held_out}
+
+
+class FakeTrainer:
+    def __init__(self, training):
+        self.training = training
+
+
+def test_resume_position_counts_only_batches_that_training_steps_used(dm_factory):
+    dm = dm_factory(path="builtin:echo", val_size=0)
+    dm.trainer = FakeTrainer(training=True)
+    for _ in range(3):
+        dm.on_after_batch_transfer({}, 0)
+    dm.trainer = FakeTrainer(training=False)  # validation batches do not move the position
+    dm.on_after_batch_transfer({}, 0)
+    assert dm.state_dict() == {"batches_consumed": 3}
+    resumed = dm_factory(path="builtin:echo", val_size=0)
+    resumed.load_state_dict(dm.state_dict())
+    assert resumed.start_batch == 3

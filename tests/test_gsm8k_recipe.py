@@ -12,22 +12,17 @@ from gspo_lightning.cli import main
 from gspo_lightning.data import PromptDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-needs_data = pytest.mark.skipif(not GSM8K.exists(), reason="needs ../shared/data/gsm8k/train.jsonl")
+GSM8K = ROOT / "gspo_lightning" / "datasets" / "gsm8k" / "train.jsonl"
 
 
-@needs_data
 @pytest.mark.slow
-def test_cpu_smoke_config_runs_the_whole_path(tmp_path):
-    config = yaml.safe_load((ROOT / "configs" / "gsm8k_cpu_smoke.yaml").read_text())
-    config["trainer"].update(default_root_dir=str(tmp_path), max_steps=4, val_check_interval=1, limit_val_batches=1,
-                             enable_progress_bar=False, enable_model_summary=False)
-    config["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path)
-    config["data"]["path"] = str(GSM8K)
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(config))
-    main(["fit", "--config", str(path)])
-    run = tmp_path / "csv" / "version_0"
+def test_cpu_smoke_config_runs_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the repository: the config must not depend on where it runs
+    monkeypatch.delenv("GSPO_SHARED_DATA", raising=False)
+    main(["fit", "--config", str(ROOT / "configs" / "gsm8k_cpu_smoke.yaml"), "--trainer.max_steps=4",
+          "--trainer.val_check_interval=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+          "--trainer.enable_model_summary=false"])
+    run = tmp_path / "runs" / "gsm8k_smoke" / "csv" / "version_0"
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     for key in ("reward/math_accuracy", "reward/format_reward", "val/pass@1", "val/pass@4"):
         assert key in header, key
@@ -36,9 +31,8 @@ def test_cpu_smoke_config_runs_the_whole_path(tmp_path):
     assert (run / "hf_model" / "model.safetensors").exists()
 
 
-@needs_data
 def test_file_without_val_path_holds_out_its_last_rows(tiny_gsm8k):
-    dm = PromptDataModule(path=str(GSM8K), prompt_field="question", val_size=5)
+    dm = PromptDataModule(path="builtin:gsm8k", prompt_field="question", val_size=5)
     dm.tokenizer = tiny_gsm8k[1]
     dm.setup("fit")
     lines = GSM8K.read_text().splitlines()

@@ -452,7 +452,8 @@ def fit_moe(tmp_path, max_steps=3, **overrides):
     kwargs.update(overrides)
     L.seed_everything(0, verbose=False)
     module = GSPOModule(**kwargs)
-    data = PromptDataModule(path="builtin:echo", rollout_batch_size=4, prompt_length=8, val_size=8)
+    data = PromptDataModule(path="builtin:echo", tokenizer=kwargs["model_name_or_path"], rollout_batch_size=4,
+                            prompt_length=8, val_size=8)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,

@@ -26,7 +26,7 @@ class TinyModelSpec:
 
     tokenizer: str = "words"  # "words": whitespace word-level over `words`; "bpe": BPE trained on `corpus`
     words: tuple[str, ...] = ()
-    corpus: Optional[str] = None  # "gsm8k" (the shared GSM8K file) or "echo"
+    corpus: Optional[str] = None  # "gsm8k": the GSM8K subset shipped in gspo_lightning/datasets
     bpe_vocab_size: int = 2000
     model_type: str = "qwen2"  # or "qwen2_moe"
     vocab_size: Optional[int] = None  # pad the embedding to this size (None: the tokenizer's)
@@ -53,7 +53,7 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
             shared_expert_intermediate_size=64, decoder_sparse_step=1, output_router_logits=False,
         ),
     ),
-    # real text: BPE trained on GSM8K questions and answers
+    # real text: BPE trained on the shipped GSM8K questions and answers
     "tiny-gsm8k": TinyModelSpec(tokenizer="bpe", corpus="gsm8k", bpe_vocab_size=2000, hidden_size=64),
     # a small model whose memory is dominated by a 32k vocabulary (benchmarks)
     "small-32k": TinyModelSpec(
@@ -68,30 +68,18 @@ def is_builtin(name_or_path: str) -> bool:
     return name_or_path.startswith(BUILTIN_PREFIX)
 
 
-def shared_data_dir() -> Path:
-    """``shared/data`` beside the checkout (or ``$GSPO_SHARED_DATA``)."""
-    import os
-
-    env = os.environ.get("GSPO_SHARED_DATA")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent / "shared" / "data"
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("shared/data not found: set GSPO_SHARED_DATA to the folder holding gsm8k/train.jsonl")
-
-
 def _corpus_lines(corpus: str) -> Iterable[str]:
-    if corpus == "gsm8k":
-        with open(shared_data_dir() / "gsm8k" / "train.jsonl") as handle:
+    if corpus != "gsm8k":
+        raise ValueError(f"unknown corpus {corpus!r}")
+    from gspo_lightning.datasets import BUILTIN_FILES
+
+    # the GSM8K subset shipped in the package: a builtin model needs nothing outside it
+    for name in ("gsm8k", "gsm8k-heldout"):
+        with open(BUILTIN_FILES[name]) as handle:
             for line in handle:
                 row = json.loads(line)
                 yield row["question"]
                 yield row["answer"]
-    else:
-        raise ValueError(f"unknown corpus {corpus!r}")
 
 
 def _wrap_tokenizer(tok):
