@@ -1,4 +1,5 @@
-"""Reward functions ``fn(prompts, completions, **columns) -> list[float]`` and how they combine."""
+"""Reward functions ``fn(prompts=, completions=, completion_ids=, **columns) -> list[float | None]``
+(TRL's convention) and how they combine."""
 
 from gspo_lightning.rewards.base import RewardComposer, RewardError, RewardSpec, import_function
 from gspo_lightning.rewards.math import exact_match, math_accuracy

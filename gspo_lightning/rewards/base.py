@@ -1,9 +1,19 @@
-"""Reward functions: how they are named in configs, combined, and guarded.
+"""Reward functions: how they are named in configs, called, combined, and guarded.
 
-A reward function is any callable ``fn(prompts, completions, **columns) -> list[float]``
-(the TRL convention): ``columns`` holds every other dataset column, one entry per
-completion, plus ``completion_lengths`` (tokens per completion). Configs name functions
-by import path with their own keyword arguments and a weight:
+A reward function follows TRL's convention exactly: it is called with keyword arguments,
+
+.. code-block:: python
+
+    fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]
+
+``prompts`` holds one prompt per completion: its text, or for a conversational dataset
+its list of chat messages; then each completion is ``[{"role": "assistant", "content":
+text}]`` instead of the text. ``completion_ids`` are the completion's token ids;
+``columns`` holds every other dataset column, one entry per completion, plus
+``completion_lengths`` (tokens per completion). A score of ``None`` means "no score for
+this sample": the weighted sum skips it, and a sample no function scored is marked
+unscored (its advantage is 0). ``async def`` functions are awaited, concurrently.
+Configs name functions by import path with their own keyword arguments and a weight:
 
 .. code-block:: yaml
 
@@ -12,17 +22,26 @@ by import path with their own keyword arguments and a weight:
       - function: gspo_lightning.rewards.format_reward
         weight: 0.2
         kwargs: {pattern: "(?s).*####.*"}
+      - function: trl.rewards.get_soft_overlong_punishment   # a factory: called once with kwargs
+        factory: true
+        kwargs: {max_completion_len: 256, soft_punish_cache: 32}
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import importlib
+import inspect
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 RewardFunction = Callable[..., list]
+# the keyword arguments every reward function receives besides the dataset columns
+RESERVED = ("prompts", "completions", "completion_ids")
 
 
 @dataclass
@@ -30,16 +49,19 @@ class RewardSpec:
     """One reward function of the run.
 
     Args:
-        function: import path, ``package.module.function`` or ``package.module:function``.
+        function: import path, ``package.module.function`` or ``package.module:function``;
+            a module in the working directory works too (``myrewards.score``).
         weight: its weight in the combined reward.
-        kwargs: keyword arguments bound to the function.
+        kwargs: keyword arguments bound to the function (with ``factory``: passed to the factory).
         name: the name its metrics are logged under (default: the function's name).
+        factory: ``function(**kwargs)`` returns the reward function (TRL's ``get_...`` helpers).
     """
 
     function: str
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
     name: Optional[str] = None
+    factory: bool = False
 
 
 class RewardError(RuntimeError):
@@ -55,7 +77,9 @@ def import_function(path: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} of reward function {path!r}: {err}") from err
+        raise ValueError(f"cannot import module {module_name!r} of reward function {path!r}: {err} "
+                         f"(modules are looked up in the installed packages and the working directory "
+                         f"{os.getcwd()!r})") from err
     try:
         fn = getattr(module, attr)
     except AttributeError:
@@ -65,12 +89,39 @@ def import_function(path: str) -> Callable:
     return fn
 
 
+def is_async_callable(fn: Callable) -> bool:
+    """Whether calling ``fn`` returns a coroutine (functions, partials and callable objects)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A prompt given as chat messages ``[{role, content}, ...]`` (TRL's conversational format)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def _run_coroutines(coroutines: list) -> list:
+    """Run coroutines concurrently to completion, also from inside a running event loop."""
+    async def gather():
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    # a loop already runs in this thread (a notebook): use a fresh one in another thread
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
 class RewardComposer:
     """Scores completions with several reward functions and combines them by weight.
 
     ``on_error="raise"`` stops at the first failing call (an exception, the wrong number of
     scores, a NaN or non-number) with a message naming the function and the sample;
     ``on_error="zero"`` scores the affected samples 0 and counts them in ``error_counts``.
+    ``None`` is not a failure: it is "no score" (see the module docstring).
     """
 
     def __init__(self, specs: list[Union[RewardSpec, dict, Callable]], on_error: str = "raise"):
@@ -82,17 +133,20 @@ class RewardComposer:
         self.functions: list[tuple[str, float, Callable]] = []
         for spec in specs:
             if callable(spec) and not isinstance(spec, RewardSpec):
-                name = getattr(spec, "__name__", type(spec).__name__)
-                self.functions.append((name, 1.0, spec))
+                self.functions.append((_callable_name(spec), 1.0, spec))
                 continue
             if isinstance(spec, dict):
                 spec = RewardSpec(**spec)
             fn = import_function(spec.function)
-            name = spec.name or spec.function.replace(":", ".").rpartition(".")[2]
-            if spec.kwargs:
+            if spec.factory:
+                fn = fn(**spec.kwargs)
+                if not callable(fn):
+                    raise ValueError(f"reward factory {spec.function!r} returned {type(fn).__name__}, not a function")
+            elif spec.kwargs:
                 fn = functools.partial(fn, **spec.kwargs)
+            name = spec.name or spec.function.replace(":", ".").rpartition(".")[2]
             self.functions.append((name, float(spec.weight), fn))
-        names = [name for name, _, _ in self.functions]
+        names = self.names
         if len(set(names)) != len(names):
             raise ValueError(f"reward function names must be unique, got {names}: set `name` on the duplicates")
         self.error_counts = {name: 0 for name in names}
@@ -101,15 +155,64 @@ class RewardComposer:
     def names(self) -> list[str]:
         return [name for name, _, _ in self.functions]
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:
-        """``(combined reward per completion, {function name: its scores})``."""
-        total = [0.0] * len(completions)
+    def __call__(
+        self,
+        *,
+        prompts: list,
+        completions: list[str],
+        completion_ids: Optional[list[list[int]]] = None,
+        columns: Optional[dict[str, list]] = None,
+    ) -> tuple[list[float], dict[str, list[float]], list[bool]]:
+        """Score a batch; every argument holds one entry per completion.
+
+        Returns ``(total, components, scored)``: ``total[i]`` is the weighted sum of the
+        scores sample ``i`` got (``None`` scores skipped; 0.0 where it got none);
+        ``components[name][i]`` is each function's score, NaN where it gave ``None``
+        (average those with a NaN-aware mean); ``scored[i]`` is False where no function
+        scored sample ``i``.
+        """
+        n = len(completions)
+        columns = dict(columns or {})
+        clash = [key for key in RESERVED if key in columns]
+        if clash:
+            raise ValueError(f"dataset column(s) {clash} clash with reward function arguments {list(RESERVED)}: rename them")
+        if completion_ids is not None and "completion_lengths" not in columns:
+            columns["completion_lengths"] = [len(ids) for ids in completion_ids]
+        for name, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
+            if values is not None and len(values) != n:
+                raise ValueError(f"reward inputs disagree: {len(values)} {name} for {n} completions")
+        if n and is_conversational(prompts[0]):
+            passed = [[{"role": "assistant", "content": text}] for text in completions]
+        else:
+            passed = list(completions)
+        kwargs = {"prompts": prompts, "completions": passed, "completion_ids": completion_ids, **columns}
+
+        raw: dict[str, Any] = {}
+        pending = []
+        for name, _, fn in self.functions:
+            if is_async_callable(fn):
+                pending.append(name)
+                raw[name] = fn(**kwargs)  # a coroutine, awaited below with the others
+                continue
+            try:
+                raw[name] = fn(**kwargs)
+            except Exception as err:  # noqa: BLE001 - any failure of user code is reported the same way
+                raw[name] = err
+        if pending:
+            for name, result in zip(pending, _run_coroutines([raw[name] for name in pending])):
+                raw[name] = result
+
+        total = [0.0] * n
+        scored = [False] * n
         per_function = {}
-        for name, weight, fn in self.functions:
-            scores = self._score(name, fn, prompts, completions, columns)
-            per_function[name] = scores
-            total = [acc + weight * s for acc, s in zip(total, scores)]
-        return total, per_function
+        for name, weight, _ in self.functions:
+            scores = self._check(name, raw[name], prompts, completions)
+            per_function[name] = [math.nan if s is None else s for s in scores]
+            for i, score in enumerate(scores):
+                if score is not None:
+                    total[i] += weight * score
+                    scored[i] = True
+        return total, per_function, scored
 
     def _fail(self, name: str, message: str, count: int) -> list[float]:
         if self.on_error == "raise":
@@ -118,22 +221,31 @@ class RewardComposer:
         self.error_counts[name] += count
         return [0.0] * count
 
-    def _score(self, name, fn, prompts, completions, columns) -> list[float]:
+    def _check(self, name: str, raw: Any, prompts: list, completions: list[str]) -> list[Optional[float]]:
+        """The function's scores as floats or None, failures handled per ``on_error``."""
         n = len(completions)
+        if isinstance(raw, BaseException):
+            if not isinstance(raw, Exception):  # KeyboardInterrupt, SystemExit: not the function's failure
+                raise raw
+            first = prompts[0] if prompts else None
+            return self._fail(name, f"raised {type(raw).__name__}: {raw} (batch of {n}, first prompt {first!r})", n)
         try:
-            raw = fn(prompts, completions, **columns)
-        except Exception as err:  # noqa: BLE001 - any failure of user code is reported the same way
-            return self._fail(name, f"raised {type(err).__name__}: {err} (batch of {n}, first prompt {prompts[0]!r})", n)
-        try:
-            scores = [float(s) for s in raw]
+            scores = [None if s is None else float(s) for s in raw]
         except (TypeError, ValueError) as err:
-            return self._fail(name, f"returned something other than a list of numbers ({err})", n)
+            return self._fail(name, f"returned something other than a list of numbers or None ({err})", n)
         if len(scores) != n:
             return self._fail(name, f"returned {len(scores)} scores for {n} completions", n)
         for i, score in enumerate(scores):
-            if not math.isfinite(score):
+            if score is not None and not math.isfinite(score):
                 if self.on_error == "raise":
-                    self._fail(name, f"returned {score} for sample {i} (prompt {prompts[i]!r}, completion {completions[i]!r})", 1)
+                    self._fail(name, f"returned {score} for sample {i} (prompt {prompts[i]!r}, completion "
+                                     f"{completions[i]!r}); return None for 'no score'", 1)
                 self.error_counts[name] += 1
                 scores[i] = 0.0
         return scores
+
+
+def _callable_name(fn: Callable) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
