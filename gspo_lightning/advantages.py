@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.loss import kl_penalty
+from gspo_lightning.options import GROUP_ESTIMATORS, AdvEstimator, RewardNorm, check_choice, choices
 
-REWARD_NORMS = (None, "group", "batch", "running")
-ADV_ESTIMATORS = ("grpo", "reinforce", "rloo", "dr_grpo")
-GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo")
+REWARD_NORMS = (None, *choices(RewardNorm))
+ADV_ESTIMATORS = choices(AdvEstimator)
 
 # all_reduce(sum) over data-parallel ranks; the identity on one process.
 SumReducer = Callable[[Tensor], Tensor]
@@ -122,8 +122,7 @@ def normalize_rewards(
     ``reward_shift`` only subtracts the mean, ``reward_scale`` only divides by the std (both
     need a ``reward_norm``). ``running`` is updated with this batch before it is used.
     """
-    if reward_norm not in REWARD_NORMS:
-        raise ValueError(f"reward_norm must be one of {REWARD_NORMS}, got {reward_norm!r}")
+    check_choice("reward_norm", reward_norm, RewardNorm, allow_none=True)
     if reward_shift and reward_scale:
         raise ValueError("reward_shift and reward_scale are exclusive: set one (or neither, for both shift and scale)")
     if reward_norm is None:
@@ -207,8 +206,7 @@ def compute_advantages(
     if estimator == "reinforce":
         returns = token_rewards.flip(-1).cumsum(-1).flip(-1)
         return torch.where(valid, returns, torch.zeros_like(returns))
-    if estimator not in GROUP_ESTIMATORS:
-        raise ValueError(f"adv_estimator must be one of {ADV_ESTIMATORS}, got {estimator!r}")
+    check_choice("adv_estimator", estimator, AdvEstimator)
     if group_size < 2:
         raise ValueError(f"adv_estimator={estimator!r} compares responses within a group: it needs num_return_sequences_in_group >= 2")
     scores = token_rewards.sum(-1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["pass_at_k", "pass_at_k_from_scores"]
+__all__ = ["pass_at_k", "pass_at_k_from_scores", "record_eval_rollout"]
 
 
 def _check_count(name: str, value: int) -> None:
@@ -59,3 +59,23 @@ def pass_at_k_from_scores(
             )
         total += pass_at_k(n, c, k)
     return total / len(scores)
+
+
+def record_eval_rollout(metrics, stage: str, rewards, lengths, group_size: int, accuracy_threshold: float) -> None:
+    """Mean reward, accuracy, pass@1 and pass@k (k = samples per prompt) of one eval batch.
+
+    ``metrics`` is a :class:`~gspo_lightning.metrics.StepMetrics`; ``rewards`` ``(N,)`` with
+    the ``group_size`` samples of a prompt in consecutive rows."""
+    import torch
+
+    rewards = rewards.view(-1, group_size)
+    correct = rewards >= accuracy_threshold
+    n = rewards.numel()
+    metrics.update(f"{stage}/reward_mean", rewards.mean(), n)
+    metrics.update(f"{stage}/accuracy", correct.float().mean(), n)
+    # the unbiased pass@1 over k samples is the share of correct samples
+    metrics.update(f"{stage}/pass@1", correct.float().mean(), n)
+    metrics.update(f"{stage}/response_length", lengths.float().mean(), n)
+    if group_size > 1:
+        per_prompt = [pass_at_k(group_size, int(c), group_size) for c in correct.sum(-1).tolist()]
+        metrics.update(f"{stage}/pass@{group_size}", torch.tensor(per_prompt).mean(), len(per_prompt))

@@ -39,7 +39,8 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     prefix = "policy."
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     missing, unexpected = policy.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in getattr(policy, "_tied_weights_keys", None) or []]
+    tied = getattr(policy, "_tied_weights_keys", None) or []  # None on models without tied weights
+    missing = [k for k in missing if k not in tied]
     if unexpected or (missing and not all("lm_head" in k for k in missing)):
         raise ValueError(f"checkpoint does not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return save_policy(policy, tokenizer, out_dir)

@@ -16,13 +16,15 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-IMPORTANCE_SAMPLING_LEVELS = ("token", "seq", "seq-token")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from gspo_lightning.options import ImportanceSampling, KLEstimator, LossAggMode, check_choice, choices
+
+IMPORTANCE_SAMPLING_LEVELS = choices(ImportanceSampling)
+LOSS_AGG_MODES = choices(LossAggMode)
+KL_ESTIMATORS = choices(KLEstimator)
 
 # exp() of a log-ratio above this overflows float32 gradients long before it means anything.
 MAX_LOG_RATIO = 20.0
-# k3 = exp(u) - u - 1 explodes for large u; the same bound verl and TRL use.
+# k3 = exp(u) - u - 1 explodes for large u; verl and ROLL clamp it to 10 as well (TRL does not).
 MAX_KL_VALUE = 10.0
 
 Count = Union[int, float, Tensor, None]
@@ -42,7 +44,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") ->
     if estimator == "k3":
         u = u.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return (torch.exp(u) - u - 1.0).clamp(0.0, MAX_KL_VALUE)
-    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    check_choice("kl_estimator", estimator, KLEstimator)
+    raise AssertionError("unreachable")
 
 
 def _as_count(value: Count, fallback: Tensor) -> Tensor:
@@ -82,10 +85,12 @@ def aggregate_loss(
         return seq_sums.sum() / n
     if loss_agg_mode == "seq-mean-token-mean":
         return (seq_sums / lengths.clamp(min=1)).sum() / n
-    if loss_agg_mode == "seq-mean-token-sum-norm":
+    if loss_agg_mode in ("seq-mean-token-sum-norm", "seq-sum-token-sum-norm"):
         h = float(horizon if horizon is not None else mask.shape[-1])
-        return seq_sums.sum() / h / n
-    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+        # ROLL's (and early verl's) variant sums over sequences: its scale grows with the batch
+        return seq_sums.sum() / h / (n if loss_agg_mode == "seq-mean-token-sum-norm" else 1.0)
+    check_choice("loss_agg_mode", loss_agg_mode, LossAggMode)
+    raise AssertionError("unreachable")
 
 
 def log_importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, importance_sampling: str) -> Tensor:
@@ -107,7 +112,8 @@ def log_importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, i
         return torch.where(valid, seq_log_ratio.expand_as(delta), zeros)
     if importance_sampling == "seq-token":
         return torch.where(valid, seq_log_ratio.detach() + logprobs - logprobs.detach(), zeros)
-    raise ValueError(f"importance_sampling must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling!r}")
+    check_choice("importance_sampling", importance_sampling, ImportanceSampling)
+    raise AssertionError("unreachable")
 
 
 def policy_loss(
@@ -155,8 +161,7 @@ def policy_loss(
         raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (3 is usual) or None, got {dual_clip}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    check_choice("kl_estimator", kl_estimator, KLEstimator)
     if mask.dim() != 2 or logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "

@@ -51,3 +51,23 @@ class StepMetrics(nn.Module):
             metric.reset()
         self.updated.clear()
         return out
+
+
+def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
+    """Rewards, group spread, lengths and truncation of one rollout (``rollout/worker.py``)."""
+    m = metrics
+    rewards = rollout.rewards
+    m.update("reward/mean", rewards.mean(), rewards.numel())
+    m.update("reward/sq_mean", rewards.square().mean(), rewards.numel())
+    for name, values in rollout.reward_components.items():
+        m.update(f"reward/{name}", values.mean(), values.numel())
+    grouped = rewards.view(-1, rollout.group_size)
+    zero_std = (grouped.max(-1).values == grouped.min(-1).values).float()
+    m.update("reward/zero_std_groups", zero_std.mean(), zero_std.numel())
+    lengths = rollout.lengths.float()
+    m.update("response/length_mean", lengths.mean(), lengths.numel())
+    m.update("response/length_max", lengths.max(), kind="max")
+    m.update("response/truncated_frac", rollout.truncated.float().mean(), lengths.numel())
+    valid = rollout.response_mask
+    m.update("advantage/mean", advantages[valid].mean() if valid.any() else 0.0, valid.sum())
+    m.update("reward/errors", float(rollout.reward_errors), kind="max")

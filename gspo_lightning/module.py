@@ -1,12 +1,14 @@
-"""``GSPOModule``: the policy, its frozen reference, and the GSPO update loop.
+"""``GSPOModule``: the policy, its frozen reference, and one GSPO step.
 
-One ``training_step`` consumes one rollout batch (filled in by ``RolloutCallback``):
+One ``training_step`` turns a batch of prompts into updates:
 
-1. log-prob passes that are needed before any update (old policy, reference), no grad
-2. rewards -> advantages (``advantages.py``)
-3. ``ppo_epochs`` x mini-batches: each mini-batch is one optimizer step, accumulated over
-   micro-batches with the loss denominators of the whole mini-batch (``loss.py``)
-4. metrics -> loggers; ``policy_version`` counts optimizer steps
+1. rollout: push new weights to the engine, generate ``G`` responses per prompt, score them
+   (``rollout/worker.py``)
+2. log-prob passes needed before any update (old policy, reference), no grad
+3. rewards -> advantages (``advantages.py``)
+4. the updates: ``ppo_epochs`` x mini-batches x micro-batches (``update.py``)
+5. metrics -> loggers. ``policy_version`` counts optimizer steps; the trainer's step
+   counter (``max_steps``, the progress bar, the logs) counts rollout steps.
 """
 
 from __future__ import annotations
@@ -15,42 +17,34 @@ import contextlib
 import copy
 import dataclasses
 import json
-import logging
-import math
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from gspo_lightning.advantages import GROUP_ESTIMATORS, RunningMoments, rewards_to_advantages
-from gspo_lightning.evaluation import pass_at_k
+from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
+from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm
+from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.evaluation import record_eval_rollout
 from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.loss import policy_loss
-from gspo_lightning.metrics import StepMetrics
+from gspo_lightning.metrics import StepMetrics, record_rollout
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
+from gspo_lightning.options import (
+    AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, RewardNorm,
+    clip_range, validate_gspo_settings,
+)
 from gspo_lightning.rewards.base import RewardComposer, RewardSpec
-from gspo_lightning.rollout.callback import Rollout, RolloutCallback
+from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine, RolloutWorker, SamplingParams
+from gspo_lightning.rollout.weight_sync import iter_policy_weights
+from gspo_lightning.update import MetricHook, PolicyUpdater, UpdateOps, UpdateSettings
 
-log = logging.getLogger(__name__)
-
-# Clip ranges follow the level of the ratio they clip (GSPO paper, section 5.1 / ROLL).
-DEFAULT_CLIP = {"seq": (3e-4, 4e-4), "seq-token": (3e-4, 4e-4), "token": (0.2, 0.27)}
-
-
-def _is_moe(model) -> bool:
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
-
-
-class NonFiniteError(RuntimeError):
-    """Too many updates in a row had a non-finite loss or gradient."""
+__all__ = ["GSPOModule", "NonFiniteError"]
 
 
 class GSPOModule(L.LightningModule):
@@ -64,16 +58,13 @@ class GSPOModule(L.LightningModule):
         trust_remote_code: allow a hub model's own Python code (off unless you trust it).
         rewards: the reward functions (import path, weight, kwargs, name).
         on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
-        engine: ``hf`` (the policy itself, any device) or ``vllm`` (GPU, ``pip install .[vllm]``).
-        engine_kwargs: extra engine arguments; vLLM: ``gpu_memory_utilization`` (0.3),
-            ``weight_sync_bucket_mb`` (256), ``sleep_level`` (0: off), ``tensor_parallel_size``,
-            ``max_model_len``, ``load_mode`` and any ``vllm.LLM`` argument (see docs/vllm.md).
+        engine: the generation engine, by ``class_path`` (default: ``HFEngine``, the policy
+            itself; ``gspo_lightning.rollout.VLLMEngine`` for vLLM, see docs/vllm.md).
         num_return_sequences_in_group: responses per prompt, ``G`` (ROLL's key).
         response_length: most new tokens per response (ROLL's key).
         temperature: sampling temperature; log-probs are taken at the same temperature.
-        top_p: nucleus sampling mass (1: off).
-        top_k: top-k sampling (0: off).
-        generation_batch_size: responses sampled at once (``None``: all).
+        top_p: nucleus sampling mass (1: off); log-probs use the same filtered distribution.
+        top_k: top-k sampling (0: off); log-probs use the same filtered distribution.
         val_num_samples: responses per validation prompt (pass@k uses k = this).
         val_temperature: validation sampling temperature (0: greedy).
         accuracy_threshold: a response counts as correct when its reward is at least this.
@@ -90,17 +81,20 @@ class GSPOModule(L.LightningModule):
         clip_low: ratio clip below 1 (``null``: 3e-4 for sequence levels, 0.2 for token).
         clip_high: ratio clip above 1 (``null``: 4e-4 for sequence levels, 0.27 for token).
         dual_clip_loss: bound the loss of negative-advantage samples (ROLL's key).
-        dual_clip: the dual-clip constant ``c > 1``.
+        dual_clip: the dual-clip constant ``c > 1`` (ROLL uses ``1 + 2 * pg_clip``).
         loss_agg_mode: ``seq-mean-token-mean`` (the paper), ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm`` or ``token-mean``.
+            ``seq-mean-token-sum-norm``, ``seq-sum-token-sum-norm`` (ROLL's sum-norm) or ``token-mean``.
         use_kl_loss: add ``kl_loss_coef * KL(policy, ref)`` to the loss.
         kl_loss_coef: its coefficient.
         kl_estimator: ``k1``, ``k2`` or ``k3`` for both KL terms.
         ppo_epochs: passes over each rollout batch.
-        mini_batch_size: responses per optimizer step, over all ranks (``null``: the whole
-            rollout batch, one step). Several per rollout are what let the clip act.
+        num_mini_batches: optimizer steps per rollout batch and epoch (the paper: 4). Several
+            are what let the clip act: with one, every ratio is exactly 1.
+        mini_batch_size: responses per optimizer step over all ranks, instead of
+            ``num_mini_batches`` (set that to ``null``).
         micro_batch_size: responses per forward/backward on each rank (``null``: the whole
-            local mini-batch); a memory knob that never changes the gradient.
+            local mini-batch); a memory knob that leaves the gradient unchanged, except the
+            MoE load-balancing loss, which is a mean per micro-batch.
         max_grad_norm: gradient norm clip (``null``: off).
         old_logprobs: ``recompute`` the old policy's log-probs with the trainer, or take the
             ``engine``'s sampled-token log-probs (no extra pass; the paper's shortcut).
@@ -109,11 +103,15 @@ class GSPOModule(L.LightningModule):
         max_consecutive_nonfinite: stop after this many skipped (non-finite) updates in a row.
         routing_replay: Mixture-of-Experts only: record the experts each token used in the
             old-policy pass and force them in the training forwards (the baseline GRPO needs
-            on MoE models); always logs how much routing changed between old and new policy.
+            on MoE models). MoE policies always log how much routing changed since the old pass.
         router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
         export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
             to ``<log dir>/hf_model`` when ``fit`` ends.
         rollout_seed: base seed of sampling (``null``: the run's ``seed_everything`` seed).
+        prompt_length: longest prompt in tokens (the CLI links it from ``data.prompt_length``).
+        rollout_batch_size: prompts per step (the CLI links it from ``data.rollout_batch_size``).
+        metric_hooks: functions ``hook(MicroBatch) -> {name: (value, weight)}`` adding
+            per-update metrics (``update.py``).
         optimizer: optimizer factory (default AdamW, lr 1e-6).
         lr_scheduler: scheduler factory, stepped once per optimizer step.
     """
@@ -121,25 +119,23 @@ class GSPOModule(L.LightningModule):
     def __init__(
         self,
         model_name_or_path: str = "builtin:tiny-echo",
-        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        dtype: Dtype = "float32",
         attn_implementation: Optional[str] = None,
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         rewards: Optional[list[RewardSpec]] = None,
-        on_reward_error: Literal["raise", "zero"] = "raise",
-        engine: Literal["hf", "vllm"] = "hf",
-        engine_kwargs: Optional[dict[str, Any]] = None,
+        on_reward_error: OnRewardError = "raise",
+        engine: Optional[RolloutEngine] = None,
         num_return_sequences_in_group: int = 8,
         response_length: int = 256,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        generation_batch_size: Optional[int] = None,
         val_num_samples: int = 1,
         val_temperature: float = 0.0,
         accuracy_threshold: float = 1.0,
-        adv_estimator: Literal["grpo", "reinforce", "rloo", "dr_grpo"] = "grpo",
-        reward_norm: Optional[Literal["group", "batch", "running"]] = None,
+        adv_estimator: AdvEstimator = "grpo",
+        reward_norm: Optional[RewardNorm] = None,
         reward_shift: bool = False,
         reward_scale: bool = False,
         reward_clip: Optional[float] = None,
@@ -147,110 +143,69 @@ class GSPOModule(L.LightningModule):
         kl_coef: float = 0.0,
         whiten_advantages: bool = False,
         advantage_clip: Optional[float] = None,
-        importance_sampling: Literal["seq", "seq-token", "token"] = "seq",
+        importance_sampling: ImportanceSampling = "seq",
         clip_low: Optional[float] = None,
         clip_high: Optional[float] = None,
         dual_clip_loss: bool = False,
         dual_clip: float = 3.0,
-        loss_agg_mode: Literal["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"] = "seq-mean-token-mean",
+        loss_agg_mode: LossAggMode = "seq-mean-token-mean",
         use_kl_loss: bool = False,
         kl_loss_coef: float = 0.001,
-        kl_estimator: Literal["k1", "k2", "k3"] = "k3",
+        kl_estimator: KLEstimator = "k3",
         ppo_epochs: int = 1,
+        num_mini_batches: Optional[int] = 4,
         mini_batch_size: Optional[int] = None,
         micro_batch_size: Optional[int] = None,
         max_grad_norm: Optional[float] = 1.0,
-        old_logprobs: Literal["recompute", "engine"] = "recompute",
+        old_logprobs: OldLogprobs = "recompute",
         logprob_chunk_size: Optional[int] = 512,
         max_consecutive_nonfinite: int = 3,
         routing_replay: bool = False,
         router_aux_loss_coef: float = 0.0,
         export_on_fit_end: bool = True,
         rollout_seed: Optional[int] = None,
+        prompt_length: Optional[int] = None,
+        rollout_batch_size: Optional[int] = None,
+        metric_hooks: Optional[list[Callable]] = None,
         optimizer: Optional[OptimizerCallable] = None,
         lr_scheduler: Optional[LRSchedulerCallable] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "metric_hooks"])
         # plain dicts, so checkpoints load with torch.load(weights_only=True)
         self.hparams["rewards"] = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None
+        validate_gspo_settings(dict(self.hparams))
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self._validate_config()
-        default_low, default_high = DEFAULT_CLIP[importance_sampling]
-        self.clip_low = default_low if clip_low is None else clip_low
-        self.clip_high = default_high if clip_high is None else clip_high
+        self.metric_hooks: list[MetricHook] = list(metric_hooks or [])
+        self.clip_low, self.clip_high = clip_range(importance_sampling, clip_low, clip_high)
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code)
+        composer = RewardComposer(self.hparams["rewards"], on_error=on_reward_error) if rewards else None
+        greedy = val_temperature == 0
+        self.worker = RolloutWorker(
+            engine if engine is not None else HFEngine(), composer, self.tokenizer,
+            train_params=SamplingParams(response_length, temperature, top_p, top_k),
+            group_size=num_return_sequences_in_group,
+            eval_params=SamplingParams(response_length, val_temperature, 1.0 if greedy else top_p, 0 if greedy else top_k),
+            eval_group_size=val_num_samples,
+        )
         self.policy = None
         self.reference = None
-        self.engine = None
-        self.reward_composer = RewardComposer(self.hparams["rewards"], on_error=on_reward_error) if rewards else None
+        self.router = None  # gspo_lightning.moe.RoutingRecorder for MoE policies
         self.running_rewards = RunningMoments()
         self.step_metrics = StepMetrics()
         self.val_metrics = StepMetrics()
+        self.updater: Optional[PolicyUpdater] = None
         self.policy_version = 0  # optimizer steps taken; the weights a rollout was sampled with
-        self.rollout_steps = 0  # rollout batches consumed (the data position)
-        self.skipped_updates = 0
-        self.consecutive_nonfinite = 0
-        self.router = None  # gspo_lightning.moe.RoutingRecorder for MoE policies
-        self.grad_sync, self.loss_scale = "none", 1.0
+        self.rollout_steps = 0  # rollout batches trained on
+        self.grad_sync = GradientSync()
         self.sharded = False  # parameters split over ranks (FSDP2)
+        self._updater_state: dict[str, int] = {}
+        self._trained_this_fit = False
 
-    # -- configuration -----------------------------------------------------------------
-    def _validate_config(self) -> None:
-        hp = self.hparams
-        G = hp.num_return_sequences_in_group
-        problems = []
-        if G < 1:
-            problems.append(f"num_return_sequences_in_group must be >= 1, got {G}")
-        if hp.adv_estimator in GROUP_ESTIMATORS and G < 2:
-            problems.append(f"adv_estimator={hp.adv_estimator} compares responses of a prompt: set num_return_sequences_in_group >= 2 (or use reinforce)")
-        if hp.reward_norm == "group" and G < 2:
-            problems.append("reward_norm=group needs num_return_sequences_in_group >= 2")
-        for name in ("clip_low", "clip_high", "reward_clip", "advantage_clip", "kl_loss_coef", "kl_coef"):
-            value = getattr(hp, name)
-            if value is not None and value < 0:
-                problems.append(f"{name} must be >= 0, got {value}")
-        if hp.clip_low is not None and hp.clip_low >= 1:
-            problems.append(f"clip_low must be < 1 (the ratio is clipped at 1 - clip_low), got {hp.clip_low}")
-        if hp.dual_clip_loss and hp.dual_clip <= 1:
-            problems.append(f"dual_clip must be > 1 (3 is usual), got {hp.dual_clip}")
-        if (hp.reward_shift or hp.reward_scale) and hp.reward_norm is None:
-            problems.append("reward_shift / reward_scale act only with a reward_norm: set reward_norm (group, batch or running) or turn them off")
-        if hp.reward_shift and hp.reward_scale:
-            problems.append("reward_shift and reward_scale are exclusive (set neither to both shift and scale)")
-        if hp.routing_replay and hp.old_logprobs == "engine":
-            problems.append("routing_replay records routing in the trainer's old-policy pass: set old_logprobs=recompute")
-        if hp.add_token_level_kl and hp.kl_coef == 0:
-            problems.append("add_token_level_kl needs kl_coef > 0")
-        if hp.ppo_epochs < 1:
-            problems.append(f"ppo_epochs must be >= 1, got {hp.ppo_epochs}")
-        for name in ("mini_batch_size", "micro_batch_size", "generation_batch_size", "logprob_chunk_size"):
-            value = getattr(hp, name)
-            if value is not None and value < 1:
-                problems.append(f"{name} must be >= 1 or null, got {value}")
-        if hp.mini_batch_size and hp.micro_batch_size and hp.mini_batch_size % hp.micro_batch_size:
-            problems.append(f"mini_batch_size={hp.mini_batch_size} is not a multiple of micro_batch_size={hp.micro_batch_size}")
-        if hp.response_length < 1:
-            problems.append(f"response_length must be >= 1, got {hp.response_length}")
-        if hp.val_num_samples < 1:
-            problems.append(f"val_num_samples must be >= 1, got {hp.val_num_samples}")
-        if hp.temperature <= 0:
-            problems.append(f"temperature must be > 0 for training rollouts, got {hp.temperature}")
-        if problems:
-            raise ValueError("invalid GSPO configuration:\n  - " + "\n  - ".join(problems))
-        if hp.importance_sampling != "token":
-            for name in ("clip_low", "clip_high"):
-                value = getattr(hp, name)
-                if value is not None and value >= 0.1:
-                    warnings.warn(
-                        f"{name}={value} with importance_sampling={hp.importance_sampling}: sequence-level ratios "
-                        f"stay within ~1e-3 of 1, so a token-sized clip range almost never clips (the paper uses 3e-4 / 4e-4)",
-                        stacklevel=3,
-                    )
-
+    # -- models ------------------------------------------------------------------------
     @property
     def needs_reference(self) -> bool:
         return self.hparams.use_kl_loss or self.hparams.add_token_level_kl
@@ -260,7 +215,10 @@ class GSPOModule(L.LightningModule):
         if self.policy is not None:
             return
         hp = self.hparams
-        self.policy = load_policy(hp.model_name_or_path, self.tokenizer, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
+        policy = load_policy(hp.model_name_or_path, self.tokenizer, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
+        # from_pretrained returns eval mode, and neither Lightning nor transformers switch back:
+        # gradient checkpointing and dropout act only in train mode
+        self.policy = policy.train()
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.config.use_cache = False
@@ -269,7 +227,8 @@ class GSPOModule(L.LightningModule):
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy (FSDP2)
         if mesh is not None:
             self._fully_shard(mesh)
-        if hp.routing_replay or hp.router_aux_loss_coef > 0 or _is_moe(self.policy):
+        config = self.policy.config
+        if hp.routing_replay or hp.router_aux_loss_coef > 0 or getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
             from gspo_lightning.moe import RoutingRecorder
 
             self.router = RoutingRecorder(self.policy)
@@ -284,34 +243,102 @@ class GSPOModule(L.LightningModule):
         fully_shard(self.policy, mesh=dp_mesh)
         self.sharded = True
 
+    def configure_optimizers(self):
+        self.configure_model()
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+    # -- the run's lifecycle -----------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.configure_model()
-        if self.reward_composer is None:
+        if self.worker.rewards is None:
             raise ValueError("no reward functions configured: set model.rewards, e.g. "
                              "[{function: gspo_lightning.rewards.math_accuracy}]")
 
     def configure_callbacks(self):
         from gspo_lightning.plotting import TrainingCurves
         from gspo_lightning.preemption import PreemptionCheckpoint
+        from gspo_lightning.progress import StepProgressBar
 
-        return [RolloutCallback(), TrainingCurves(), PreemptionCheckpoint()]
+        callbacks = [TrainingCurves(), PreemptionCheckpoint()]
+        if self.trainer.progress_bar_callback is not None:  # replaces Lightning's bar, not a disabled one
+            callbacks.append(StepProgressBar())
+        return callbacks
 
     def on_fit_start(self) -> None:
-        self._setup_gradient_sync()
-        # batch sizes that do not divide fail now, not after the first rollout
-        prompts = getattr(getattr(self.trainer, "datamodule", None), "hparams", {}).get("rollout_batch_size")
-        if prompts is not None:
-            if prompts % self.world_size:
-                raise ValueError(f"data.rollout_batch_size={prompts} does not split over {self.world_size} ranks")
-            self.updates_per_rollout(prompts // self.world_size * self.hparams.num_return_sequences_in_group)
-        self._make_engine()
+        self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size)
+        if self.hparams.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
+            self._build_updater(self.hparams.rollout_batch_size)
+        self._start_worker()
+
+    def on_validation_start(self) -> None:
+        self._start_worker()
+
+    def on_test_start(self) -> None:
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        hp = self.hparams
+        trainer = self.trainer
+        self.worker.start(EngineSpec(
+            model_name_or_path=hp.model_name_or_path, dtype=hp.dtype, prompt_length=hp.prompt_length,
+            response_length=hp.response_length, seed=self.sampling_seed(0), trust_remote_code=hp.trust_remote_code,
+            eos_token_ids=eos_token_ids(self.policy, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id,
+            rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size,
+            policy=self.policy, tokenizer=self.tokenizer,
+            # sharded weights are gathered in every forward: all ranks must take as many decode steps
+            lockstep=(lambda done: all_ranks_true(done, self.device)) if self.sharded else None,
+        ))
+
+    def _build_updater(self, prompts_per_step: int) -> None:
+        hp = self.hparams
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if prompts_per_step % world:
+            raise ValueError(f"data.rollout_batch_size={prompts_per_step} does not split over {world} ranks")
+        local = prompts_per_step // world * hp.num_return_sequences_in_group
+        if hp.mini_batch_size is not None:
+            if hp.mini_batch_size % world or local % (hp.mini_batch_size // world):
+                raise ValueError(f"mini_batch_size={hp.mini_batch_size} must be a multiple of the {world} rank(s) and divide "
+                                 f"the {local * world} responses of a step (rollout_batch_size x num_return_sequences_in_group)")
+            mini = hp.mini_batch_size // world
+        else:
+            splits = hp.num_mini_batches or 1
+            if local % splits:
+                raise ValueError(f"num_mini_batches={splits} does not divide the {local} responses of a step on each rank "
+                                 f"(rollout_batch_size x num_return_sequences_in_group / ranks)")
+            mini = local // splits
+        micro = min(hp.micro_batch_size or mini, mini)  # a last, smaller micro-batch is fine: denominators are global
+        updates = hp.ppo_epochs * (local // mini)
+        if updates == 1 and hp.old_logprobs == "recompute" and self.rollout_steps == 0:
+            warnings.warn("one optimizer step per rollout (num_mini_batches=1, ppo_epochs=1) with recomputed old "
+                          "log-probs: every importance ratio is exactly 1, so the clip and the dual clip never act. "
+                          "The paper splits each rollout into 4 mini-batches: set num_mini_batches: 4", stacklevel=2)
+        settings = UpdateSettings(
+            importance_sampling=hp.importance_sampling, clip_low=self.clip_low, clip_high=self.clip_high,
+            dual_clip=hp.dual_clip if hp.dual_clip_loss else None, loss_agg_mode=hp.loss_agg_mode,
+            kl_coef=hp.kl_loss_coef if hp.use_kl_loss else 0.0, kl_estimator=hp.kl_estimator, horizon=hp.response_length,
+            ppo_epochs=hp.ppo_epochs, mini_batch_size=mini, micro_batch_size=micro, world_size=world,
+            router_aux_loss_coef=hp.router_aux_loss_coef, routing_replay=hp.routing_replay,
+            max_consecutive_nonfinite=hp.max_consecutive_nonfinite,
+        )
+        state = self.updater.state_dict() if self.updater is not None else self._updater_state
+        self.updater = PolicyUpdater(settings, self.step_metrics, self.metric_hooks)
+        self.updater.load_state_dict(state)
 
     def on_fit_end(self) -> None:
+        step, max_steps = self.trainer.global_step, self.trainer.max_steps
+        if not self._trained_this_fit and max_steps is not None and 0 <= max_steps <= step:
+            # Lightning restores the step after on_fit_start, then finds nothing to do: say so, export nothing
+            raise ValueError(f"the run is already at step {step} and trainer.max_steps={max_steps}: nothing to train. "
+                             f"To continue from this checkpoint, set --trainer.max_steps above {step}")
         if not self.hparams.export_on_fit_end:
             return
         folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
         if self.sharded:
-            log.warning("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
+            warnings.warn("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
             return
         if self.trainer.is_global_zero:
             from gspo_lightning.export import save_policy
@@ -319,113 +346,32 @@ class GSPOModule(L.LightningModule):
             save_policy(self.policy, self.tokenizer, folder)
             print(f"policy exported to {folder}")
 
-    def _setup_gradient_sync(self) -> None:
-        """DDP: its reducer expects one backward per forward, but a GSPO step runs many
-        backwards inside one ``training_step``; so gradients stay local and are summed over
-        ranks once per optimizer step (:meth:`_all_reduce_gradients`). Sharded strategies
-        (FSDP, FSDP2, DeepSpeed) reduce in backward themselves, averaging over ranks."""
-        from lightning.pytorch.strategies import DDPStrategy
-
-        self.grad_sync, self.loss_scale = "none", 1.0
-        if type(self.trainer.strategy).__name__ == "DeepSpeedStrategy":
-            self.grad_sync = "deepspeed"
-        if self.world_size == 1:
-            return
-        strategy = self.trainer.strategy
-        if type(strategy).__name__ == "DeepSpeedStrategy":
-            self.grad_sync, self.loss_scale = "deepspeed", float(self.world_size)
-        elif isinstance(strategy, DDPStrategy):
-            self.trainer.model.require_backward_grad_sync = False
-            self.grad_sync = "manual"
-        else:
-            self.grad_sync, self.loss_scale = "strategy", float(self.world_size)
-
-    def _all_reduce_gradients(self, finite: bool) -> bool:
-        """Sum gradients over ranks in flat buckets; returns whether every rank was finite."""
-        flag = self.all_reduce_sum(torch.tensor([0.0 if finite else 1.0], device=self.device))
-        if flag.item() > 0:
-            return False
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        for p in params:  # a parameter unused on one rank (an idle expert) must still join the sum
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        bucket_bytes = 64 * 2**20
-        bucket, size = [], 0
-        for grad in grads + [None]:
-            if grad is not None:
-                bucket.append(grad)
-                size += grad.numel() * grad.element_size()
-            if bucket and (grad is None or size >= bucket_bytes):
-                flat = torch._utils._flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                for g, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                    g.copy_(synced)
-                bucket, size = [], 0
-        return True
-
-    def on_validation_start(self) -> None:
-        self._make_engine()
-
-    def on_test_start(self) -> None:
-        self._make_engine()
-
-    def _make_engine(self) -> None:
-        if self.engine is not None:
-            return
-        hp = self.hparams
-        eos = eos_token_ids(self.policy, self.tokenizer)
-        if hp.engine == "hf":
-            from gspo_lightning.rollout.hf import HFEngine
-
-            # sharded weights are gathered in every forward: all ranks must take as many decode steps
-            all_finished = self._all_ranks_finished if self.sharded else None
-            self.engine = HFEngine(self.policy, eos, self.tokenizer.pad_token_id, hp.generation_batch_size, all_finished)
-        else:
-            from gspo_lightning.rollout.vllm import VLLMEngine
-
-            self.engine = VLLMEngine.from_module(self, eos, **(hp.engine_kwargs or {}))
-
-    def configure_optimizers(self):
-        if self.policy is None:
-            self.configure_model()
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
-        if self.scheduler_factory is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
-
-    # -- helpers -----------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
         base = self.hparams.rollout_seed if self.hparams.rollout_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         rank = self.global_rank if self._trainer is not None else 0
         return ((base * 1_000_003 + step) * 1031 + rank) % (2**63 - 1)
 
-    @property
-    def world_size(self) -> int:
-        return self.trainer.world_size if self._trainer is not None else 1
-
-    def _all_ranks_finished(self, finished: bool) -> bool:
-        return bool(self.all_reduce_sum(torch.tensor([0.0 if finished else 1.0], device=self.device)).item() == 0)
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            tensor = tensor.clone()
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
+    def _rollout(self, batch: dict, seed: int, evaluation: bool) -> Rollout:
+        root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
+        sync = self.worker.sync_weights(self.policy_version, lambda: iter_policy_weights(self.policy, root=root))
+        rollout = self.worker.rollout(batch, seed=seed, device=self.device, evaluation=evaluation)
+        rollout.timings.update(sync)
+        return rollout
 
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
+        hp = self.hparams
+        filters = {} if hp.top_k == 0 and hp.top_p >= 1.0 else {"top_k": hp.top_k, "top_p": hp.top_p}
         return response_logprobs(
-            model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width,
-            temperature=self.hparams.temperature,
+            model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width, temperature=hp.temperature,
             # the chunked path calls the decoder and head separately, bypassing the root's
             # FSDP2 all-gather of embeddings and head: sharded policies take the naive path
-            chunk_size=None if self.sharded else self.hparams.logprob_chunk_size,
+            chunk_size=None if self.sharded else hp.logprob_chunk_size, **filters,
         )
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:
         """Log-probs of every response in micro-batches (old policy / reference passes)."""
-        micro = self.hparams.micro_batch_size or rollout.num_responses
+        micro = self.updater.settings.micro_batch_size
         rows = torch.arange(rollout.num_responses, device=self.device)
         was_training = model.training
         model.eval()
@@ -438,264 +384,115 @@ class GSPOModule(L.LightningModule):
             model.train(was_training)
         return logprobs.clone()  # a normal tensor again, usable next to autograd tensors
 
-    def local_mini_batch_size(self, num_responses: int) -> int:
-        """Responses per optimizer step on this rank (``mini_batch_size`` counts all ranks)."""
-        mini = self.hparams.mini_batch_size
-        if mini is None:
-            return num_responses
-        if mini % self.world_size:
-            raise ValueError(f"mini_batch_size={mini} does not split over {self.world_size} ranks: make it a multiple of {self.world_size}")
-        local = mini // self.world_size
-        if num_responses % local:
-            raise ValueError(
-                f"the {num_responses * self.world_size} responses of a step (rollout_batch_size x num_return_sequences_in_group) "
-                f"do not split into mini-batches of {mini}: make mini_batch_size divide them")
-        return local
+    def _needs_old_pass(self, num_responses: int) -> bool:
+        """With exactly one update, the old log-probs equal the first forward's own: skip the pass."""
+        s, hp = self.updater.settings, self.hparams
+        return s.ppo_epochs * (num_responses // s.mini_batch_size) > 1 or hp.add_token_level_kl or hp.routing_replay
 
-    def updates_per_rollout(self, num_responses: int) -> int:
-        return self.hparams.ppo_epochs * (num_responses // self.local_mini_batch_size(num_responses))
-
-    # -- the update --------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> None:
         hp = self.hparams
-        rollout: Rollout = batch.get("rollout")
-        if rollout is None:
-            raise RuntimeError("the batch has no rollout: GSPOModule must run with its RolloutCallback")
-        if rollout.policy_version != self.policy_version:
-            raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, "
-                               f"the policy is at {self.policy_version}")
         step_start = time.perf_counter()
-        num = rollout.num_responses
-        mask = rollout.response_mask
+        rollout = self._rollout(batch, self.sampling_seed(self.rollout_steps), evaluation=False)
+        if rollout.policy_version != self.policy_version:
+            raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {self.policy_version}")
+        if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
+            self._build_updater(len(batch["prompt_ids"]) * self.trainer.world_size)
+        s = self.updater.settings
 
-        # 1. passes before any update
+        # passes before any update
         start = time.perf_counter()
         if self.router is not None:
             self.router.clear()
-        single_update = self.updates_per_rollout(num) == 1
         old = None
         if hp.old_logprobs == "engine":
             old = rollout.engine_logprobs
-        elif not single_update or hp.add_token_level_kl or hp.routing_replay:
+        elif self._needs_old_pass(rollout.num_responses):
             with self.router.record() if self.router is not None else contextlib.nullcontext():
                 old = self._logprobs_no_grad(self.policy, rollout)
-        # else: with exactly one update the old log-probs equal the first forward's, so skip the pass
         ref = self._logprobs_no_grad(self.reference, rollout) if self.reference is not None else None
         time_logprobs = time.perf_counter() - start
 
-        # 2. advantages
         scores, advantages = rewards_to_advantages(
-            rollout.rewards, mask, rollout.group_size,
+            rollout.rewards, rollout.response_mask, rollout.group_size,
             adv_estimator=hp.adv_estimator, reward_norm=hp.reward_norm, reward_shift=hp.reward_shift,
             reward_scale=hp.reward_scale, reward_clip=hp.reward_clip, running=self.running_rewards,
             add_token_level_kl=hp.add_token_level_kl,
             old_logprobs=old if old is not None else rollout.engine_logprobs, ref_logprobs=ref,
             kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
-            advantage_clip=hp.advantage_clip, reduce_sum=self.all_reduce_sum,
+            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum,
         )
+        if rollout.scored is not None:  # a response no reward function scored teaches nothing
+            advantages = advantages.masked_fill(~rollout.scored[:, None], 0.0)
 
-        # 3. updates
         start = time.perf_counter()
-        self._update(rollout, advantages, old, ref)
+        generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
+        self.policy_version += self.updater.run(
+            rollout, advantages, old, ref, lambda rows: self._logprobs(self.policy, rollout, rows), self._update_ops(),
+            router=self.router, generator=generator,
+        )
         time_train = time.perf_counter() - start
         self.rollout_steps += 1
+        self._trained_this_fit = True
+        self._log_step(batch, rollout, advantages, time_logprobs, time_train, time.perf_counter() - step_start)
 
-        # 4. metrics
-        self._rollout_metrics(rollout, advantages)
+    def _update_ops(self) -> UpdateOps:
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        sync = self.grad_sync
+
+        def step(count: bool) -> None:
+            if count:  # through Lightning's wrapper: advances trainer.global_step once per rollout
+                optimizer.step()
+            else:
+                self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+            if scheduler is not None:
+                scheduler.step()
+
+        return UpdateOps(
+            backward=lambda loss: self.manual_backward(loss * sync.loss_scale),
+            zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
+            reduce_gradients=lambda finite: sync.reduce(self.policy.parameters(), finite, self.device),
+            clip_gradients=lambda: clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
+            step=step,
+            all_reduce_sum=all_reduce_sum,
+        )
+
+    def _log_step(self, batch, rollout: Rollout, advantages: Tensor, time_logprobs: float, time_train: float, elapsed: float) -> None:
         m = self.step_metrics
+        record_rollout(m, rollout, advantages)
         m.update("time/logprobs", time_logprobs)
         m.update("time/train", time_train)
         for name, value in rollout.timings.items():
             m.update(name, value)
-        step_time = time.perf_counter() - step_start + sum(v for k, v in rollout.timings.items() if k.startswith("time/"))
-        m.update("time/step", step_time)
-        tokens = rollout.attention_mask.sum()
-        m.update("perf/samples_per_s", num / step_time)
-        m.update("perf/tokens_per_s", tokens / step_time)
+        m.update("time/step", elapsed)
+        m.update("perf/samples_per_s", rollout.num_responses / elapsed)
+        m.update("perf/tokens_per_s", rollout.attention_mask.sum() / elapsed)
         values = m.compute()
         sq_mean = values.pop("reward/sq_mean")
-        values["reward/std"] = math.sqrt(max(0.0, sq_mean - values["reward/mean"] ** 2))
+        values["reward/std"] = max(0.0, sq_mean - values["reward/mean"] ** 2) ** 0.5
         values["policy_version"] = float(self.policy_version)
-        values["skipped_updates"] = float(self.skipped_updates)
+        values["skipped_updates"] = float(self.updater.skipped_updates)
         values["lr"] = float(self.optimizers().param_groups[0]["lr"])
-        datamodule = getattr(self.trainer, "datamodule", None)
-        values.update(getattr(datamodule, "stats", {}))  # prompts kept / truncated / dropped / bad
-        progress = {"reward": values["reward/mean"], "step_s": values["time/step"]}
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=num)
-        self.log_dict(progress, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=num)
-
-    def _update(self, rollout: Rollout, advantages: Tensor, old: Optional[Tensor], ref: Optional[Tensor]) -> None:
-        hp = self.hparams
-        num = rollout.num_responses
-        mini = self.local_mini_batch_size(num)
-        micro = hp.micro_batch_size or mini
-        mask = rollout.response_mask
-        lengths = rollout.lengths
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        m = self.step_metrics
-        generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
-        first_minibatch = True
-        for epoch in range(hp.ppo_epochs):
-            order = torch.arange(num) if (hp.ppo_epochs == 1 and mini == num) else torch.randperm(num, generator=generator)
-            for mini_rows in order.to(self.device).split(mini):
-                # denominators of the whole optimizer step, over all ranks
-                counts = self.all_reduce_sum(torch.stack([(lengths[mini_rows] > 0).sum(), mask[mini_rows].sum()]).float())
-                optimizer.zero_grad(set_to_none=True)
-                finite = True
-                minibatch_loss = 0.0
-                for rows in mini_rows.split(micro):
-                    logprobs, entropy, aux_loss = self._train_forward(rollout, rows, first_minibatch and epoch == 0)
-                    micro_mask = mask[rows]
-                    micro_old = old[rows] if old is not None else logprobs.detach()
-                    loss, metrics = policy_loss(
-                        logprobs, micro_old, advantages[rows], micro_mask,
-                        importance_sampling=hp.importance_sampling, clip_low=self.clip_low, clip_high=self.clip_high,
-                        dual_clip=hp.dual_clip if hp.dual_clip_loss else None, loss_agg_mode=hp.loss_agg_mode,
-                        ref_logprobs=ref[rows] if ref is not None else None,
-                        kl_coef=hp.kl_loss_coef if hp.use_kl_loss else 0.0, kl_estimator=hp.kl_estimator,
-                        num_seqs=counts[0], num_tokens=counts[1], horizon=hp.response_length,
-                    )
-                    if not self._finite_on_all_ranks(loss):
-                        finite = False  # every rank skips together: sharded backwards are collective
-                        break
-                    if aux_loss is not None:
-                        # the load-balancing loss is a mean per micro-batch: weigh it by its share
-                        loss = loss + hp.router_aux_loss_coef * aux_loss * (len(rows) / len(mini_rows))
-                    # the loss already divides by global counts: the step's gradient is the
-                    # SUM over ranks (sharded strategies average, hence the factor)
-                    self.manual_backward(loss * self.loss_scale)
-                    minibatch_loss += float(loss.detach())
-                    self._loss_metrics(metrics, micro_mask, lengths[rows], entropy)
-                    if first_minibatch and epoch == 0:
-                        self._mismatch_metrics(rollout, rows, logprobs.detach())
-                if self.grad_sync == "manual":
-                    finite = self._all_reduce_gradients(finite)
-                grad_norm = self._clip_gradients() if finite else torch.tensor(float("nan"))
-                if finite and torch.isfinite(grad_norm):
-                    optimizer.step()
-                    if scheduler is not None:
-                        scheduler.step()
-                    self.policy_version += 1
-                    self.consecutive_nonfinite = 0
-                    m.update("grad_norm", grad_norm)
-                    # summed over ranks: each rank's loss already divides by the global counts
-                    m.update("loss/policy", self.all_reduce_sum(torch.tensor(minibatch_loss, device=self.device)))
-                else:
-                    self._skip_update()
-                first_minibatch = False
-
-    def _train_forward(self, rollout: Rollout, rows: Tensor, before_any_update: bool):
-        """The policy's log-probs with grad; on MoE policies, with routing replay / change
-        measurement and the load-balancing loss when configured."""
-        if self.router is None:
-            return (*self._logprobs(self.policy, rollout, rows), None)
-        hp = self.hparams
-        with contextlib.ExitStack() as stack:
-            if hp.routing_replay:
-                stack.enter_context(self.router.replay(rows))
-            elif self.router.has_record and not before_any_update:
-                change = stack.enter_context(self.router.measure(rows))
-            else:
-                change = None
-            capture = stack.enter_context(self.router.capture_router_logits()) if hp.router_aux_loss_coef > 0 else None
-            logprobs, entropy = self._logprobs(self.policy, rollout, rows)
-        if not hp.routing_replay and change is not None and change.value is not None:
-            self.step_metrics.update("moe/routing_change", change.value)
-        aux = capture.load_balancing_loss(rollout.attention_mask[rows]) if capture is not None else None
-        return logprobs, entropy, aux
-
-    def _finite_on_all_ranks(self, loss: Tensor) -> bool:
-        bad = torch.tensor([0.0 if bool(torch.isfinite(loss)) else 1.0], device=self.device)
-        return bool(self.all_reduce_sum(bad).item() == 0)
-
-    def _clip_gradients(self) -> Tensor:
-        if self.grad_sync == "deepspeed":
-            # DeepSpeed owns the gradients (set gradient_clipping in its config) and skips
-            # overflowing steps itself
-            return torch.tensor(0.0, device=self.device)
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-            norm = norm.full_tensor()
-        return norm.detach()
-
-    def _skip_update(self) -> None:
-        self.optimizers().zero_grad(set_to_none=True)
-        self.skipped_updates += 1
-        self.consecutive_nonfinite += 1
-        log.warning("skipped an update with a non-finite loss or gradient (%d in a row)", self.consecutive_nonfinite)
-        if self.consecutive_nonfinite >= self.hparams.max_consecutive_nonfinite:
-            raise NonFiniteError(
-                f"{self.consecutive_nonfinite} updates in a row had a non-finite loss or gradient. Lower the learning "
-                f"rate, set max_grad_norm, check the reward scale, or raise max_consecutive_nonfinite."
-            )
-
-    # -- metrics -----------------------------------------------------------------------
-    def _loss_metrics(self, metrics: dict[str, Tensor], mask: Tensor, lengths: Tensor, entropy: Tensor) -> None:
-        m = self.step_metrics
-        seq_level = self.hparams.importance_sampling != "token"
-        units = (lengths > 0).sum() if seq_level else mask.sum()
-        for name in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean"):
-            m.update(f"loss/{name}", metrics[name], units)
-        m.update("loss/ratio_max", metrics["ratio_max"], kind="max")
-        m.update("loss/ratio_min", metrics["ratio_min"], kind="min")
-        if "kl" in metrics:
-            m.update("kl", metrics["kl"], mask.sum())
-        valid = mask.bool()
-        m.update("entropy", entropy[valid].mean() if valid.any() else torch.tensor(float("nan")), valid.sum())
-
-    def _mismatch_metrics(self, rollout: Rollout, rows: Tensor, trainer_logprobs: Tensor) -> None:
-        """How far the engine's sampled-token log-probs are from the trainer's (same weights)."""
-        mask = rollout.response_mask[rows]
-        diff = torch.where(mask, trainer_logprobs - rollout.engine_logprobs[rows], torch.zeros_like(trainer_logprobs))
-        lengths = mask.sum(-1)
-        m = self.step_metrics
-        m.update("engine/logprob_abs_diff", diff.abs().sum() / mask.sum().clamp(min=1), mask.sum())
-        seq_log_ratio = diff.sum(-1)[lengths > 0] / lengths[lengths > 0]
-        if seq_log_ratio.numel():
-            m.update("engine/seq_log_ratio_abs_max", seq_log_ratio.abs().max(), kind="max")
-
-    def _rollout_metrics(self, rollout: Rollout, advantages: Tensor) -> None:
-        m = self.step_metrics
-        rewards = rollout.rewards
-        m.update("reward/mean", rewards.mean(), rewards.numel())
-        m.update("reward/sq_mean", rewards.square().mean(), rewards.numel())
-        for name, values in rollout.reward_components.items():
-            m.update(f"reward/{name}", values.mean(), values.numel())
-        grouped = rewards.view(-1, rollout.group_size)
-        zero_std = (grouped.max(-1).values == grouped.min(-1).values).float()
-        m.update("reward/zero_std_groups", zero_std.mean(), zero_std.numel())
-        lengths = rollout.lengths.float()
-        m.update("response/length_mean", lengths.mean(), lengths.numel())
-        m.update("response/length_max", lengths.max(), kind="max")
-        m.update("response/truncated_frac", rollout.truncated.float().mean(), lengths.numel())
-        valid = rollout.response_mask
-        m.update("advantage/mean", advantages[valid].mean() if valid.any() else 0.0, valid.sum())
-        m.update("reward/errors", float(rollout.reward_errors), kind="max")
+        values.update(batch.get("stats", {}))  # prompts kept / truncated / dropped / bad
+        if rollout.reward_errors and self.hparams.on_reward_error == "zero":
+            warnings.warn(f"step {self.rollout_steps}: {rollout.reward_errors} response(s) scored 0 because a reward "
+                          f"function failed (on_reward_error=zero); see reward/errors in the logs", stacklevel=2)
+        n = rollout.num_responses
+        self.log_dict(values, on_step=True, on_epoch=False, batch_size=n)
+        self.log_dict({"reward": values["reward/mean"], "step_s": values["time/step"]}, on_step=True, on_epoch=False,
+                      prog_bar=True, logger=False, batch_size=n)
 
     # -- evaluation --------------------------------------------------------------------
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch, "val")
+        self._eval_step(batch, batch_idx, "val")
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch, "test")
+        self._eval_step(batch, batch_idx, "test")
 
-    def _eval_step(self, batch: dict, stage: str) -> None:
-        rollout: Rollout = batch["rollout"]
-        k = rollout.group_size
-        rewards = rollout.rewards.view(-1, k)
-        correct = rewards >= self.hparams.accuracy_threshold
-        m = self.val_metrics
-        m.update(f"{stage}/reward_mean", rewards.mean(), rewards.numel())
-        m.update(f"{stage}/accuracy", correct.float().mean(), rewards.numel())
-        # the unbiased pass@1 over k samples is the share of correct samples
-        m.update(f"{stage}/pass@1", correct.float().mean(), rewards.numel())
-        m.update(f"{stage}/response_length", rollout.lengths.float().mean(), rewards.numel())
-        if k > 1:
-            per_prompt = [pass_at_k(k, int(c), k) for c in correct.sum(-1).tolist()]
-            m.update(f"{stage}/pass@{k}", torch.tensor(per_prompt).mean(), len(per_prompt))
+    def _eval_step(self, batch: dict, batch_idx: int, stage: str) -> None:
+        rollout = self._rollout(batch, self.sampling_seed(10_000_000 + batch_idx), evaluation=True)
+        record_eval_rollout(self.val_metrics, stage, rollout.rewards, rollout.lengths, rollout.group_size,
+                            self.hparams.accuracy_threshold)
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval()
@@ -712,7 +509,7 @@ class GSPOModule(L.LightningModule):
         folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # a collective call: every rank
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             folder.mkdir(parents=True, exist_ok=True)
-            record = {"policy_version": self.policy_version, "rollout_steps": self.rollout_steps, **values}
+            record = {"step": self.trainer.global_step, "policy_version": self.policy_version, **values}
             with open(folder / "eval_results.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
@@ -723,9 +520,8 @@ class GSPOModule(L.LightningModule):
         checkpoint["gspo"] = {
             "policy_version": self.policy_version,
             "rollout_steps": self.rollout_steps,
-            "skipped_updates": self.skipped_updates,
-            "consecutive_nonfinite": self.consecutive_nonfinite,
             "running_rewards": self.running_rewards.state_dict(),
+            **(self.updater.state_dict() if self.updater is not None else self._updater_state),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -735,6 +531,7 @@ class GSPOModule(L.LightningModule):
         if state:
             self.policy_version = state["policy_version"]
             self.rollout_steps = state["rollout_steps"]
-            self.skipped_updates = state["skipped_updates"]
-            self.consecutive_nonfinite = state["consecutive_nonfinite"]
             self.running_rewards.load_state_dict(state["running_rewards"])
+            self._updater_state = {k: state.get(k, 0) for k in ("skipped_updates", "consecutive_nonfinite")}
+            if self.updater is not None:
+                self.updater.load_state_dict(self._updater_state)

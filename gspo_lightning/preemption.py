@@ -15,6 +15,9 @@ from typing import Optional
 
 import lightning as L
 
+from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.rewards.base import RewardError
+
 log = logging.getLogger(__name__)
 
 
@@ -67,7 +70,7 @@ class PreemptionCheckpoint(L.Callback):
         self.saved = path
         reason = "SIGTERM" if trainer.received_sigterm else "interrupted"
         if trainer.is_global_zero:
-            print(f"{reason}: checkpoint written to {path} at step {pl_module.rollout_steps}; resume with --ckpt_path {path}", flush=True)
+            print(f"{reason}: checkpoint written to {path} at step {trainer.global_step}; resume with --ckpt_path {path}", flush=True)
         self._restore_sigint()
         if not trainer.received_sigterm:  # Lightning raises SIGTERMException itself for SIGTERM
             raise Preempted(path, reason)
@@ -77,9 +80,13 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore_sigint()
-        from gspo_lightning.module import NonFiniteError
-
         if isinstance(exception, NonFiniteError):
             path = checkpoint_dir(trainer) / "nonfinite.ckpt"
             trainer.save_checkpoint(path)
             log.error("stopped on non-finite updates; the state is saved in %s for inspection", path)
+        elif isinstance(exception, RewardError) and trainer.global_step > 0:
+            # the weights before the failing step: resume after fixing the reward function
+            path = checkpoint_dir(trainer) / "last.ckpt"
+            trainer.save_checkpoint(path)
+            print(f"a reward function failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} "
+                  f"is saved in {path}: fix the function, then resume with --ckpt_path {path}", flush=True)

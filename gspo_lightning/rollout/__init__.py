@@ -1,7 +1,8 @@
-"""Generation engines and the callback that produces fresh rollouts every step."""
+"""Generation engines, how weights reach them, and the worker that produces rollouts."""
 
-from gspo_lightning.rollout.callback import Rollout, RolloutCallback, build_rollout
-from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
+from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.hf import HFEngine
+from gspo_lightning.rollout.vllm import VLLMEngine
+from gspo_lightning.rollout.worker import Rollout, RolloutWorker
 
-__all__ = ["Generation", "HFEngine", "Rollout", "RolloutCallback", "RolloutEngine", "SamplingParams", "build_rollout"]
+__all__ = ["EngineSpec", "Generation", "HFEngine", "Rollout", "RolloutEngine", "RolloutWorker", "SamplingParams", "VLLMEngine"]

@@ -1,23 +1,41 @@
-"""The protocol every generation engine follows, and what it returns.
+"""The contract every generation engine follows, and what it returns.
 
 An engine turns prompt token ids into ``n`` sampled responses each, with the log-prob of
-every sampled token under the (temperature-scaled) sampling distribution and whether the
-response hit the length limit. The Hugging Face engine (``hf.py``) runs anywhere; the
-vLLM engine (``vllm.py``) is for GPUs. Both receive weights through ``update_weights``.
+every sampled token under the sampling distribution and whether the response hit the
+length limit. Engines are components chosen in the config by ``class_path``:
+
+.. code-block:: yaml
+
+    model:
+      engine:
+        class_path: gspo_lightning.rollout.VLLMEngine
+        init_args: {gpu_memory_utilization: 0.3}
+
+The constructor takes only the engine's own knobs (cheap: the config is parsed before
+any model exists); :meth:`RolloutEngine.start` receives what the trainer knows, as the
+explicit fields of :class:`EngineSpec`. An engine never sees the LightningModule or the
+Trainer: new weights arrive as an iterator of ``(name, tensor)`` pairs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
 
+WeightsIterator = Iterable[tuple[str, Tensor]]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy decoding."""
+    """How to sample. ``temperature == 0`` means greedy decoding.
+
+    With ``top_k`` / ``top_p`` on, the returned log-probs are taken under the filtered,
+    renormalized distribution the token was drawn from (the trainer does the same).
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -55,27 +73,73 @@ class Generation:
         return positions[None, :] < self.lengths[:, None]
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the rollout callback needs from a generation engine."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the trainer tells an engine when it starts it.
 
-    #: the policy version whose weights the engine holds (-1 before the first sync)
-    weights_version: int
+    ``policy`` is the training model itself, for engines that run in the training process
+    and share its weights (the Hugging Face engine); engines with their own copy use it
+    only to read the architecture of a model that has no folder (``builtin:`` models).
+    ``lockstep(done) -> all_done`` keeps ranks of a sharded policy decoding together.
+    """
 
+    model_name_or_path: str
+    dtype: str  # float32 | bfloat16 | float16
+    prompt_length: Optional[int]  # longest prompt in tokens (data.prompt_length; None: unknown)
+    response_length: int  # most new tokens per response
+    seed: int
+    eos_token_ids: list[int]
+    pad_token_id: int
+    trust_remote_code: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    policy: Optional[nn.Module] = field(default=None, repr=False, compare=False)
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+    lockstep: Optional[Callable[[bool], bool]] = field(default=None, repr=False, compare=False)
+
+    @property
+    def max_model_len(self) -> Optional[int]:
+        """The longest sequence a rollout can make: prompt plus response."""
+        return None if self.prompt_length is None else self.prompt_length + self.response_length
+
+
+class RolloutEngine(ABC):
+    """Base class of generation engines (``class_path`` in ``model.engine``)."""
+
+    #: True when the engine samples from the training model itself: weights need no push
+    shares_policy_weights: bool = False
+
+    def __init__(self) -> None:
+        self.weights_version = -1  # the policy version whose weights the engine holds
+
+    @abstractmethod
+    def start(self, spec: EngineSpec) -> None:
+        """Build the engine (load a model, allocate caches). Called once, before any rollout."""
+
+    @abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
         """Sample ``n`` responses for each prompt, reproducibly for a given ``seed``."""
-        ...
 
-    def update_weights(self, policy: nn.Module, version: int) -> Optional[dict[str, float]]:
-        """Load ``policy``'s weights if ``version`` differs from ``weights_version``.
+    def update_weights(self, weights: WeightsIterator, version: int) -> dict[str, float]:
+        """Load new weights (every pair of ``weights`` must be consumed) and record ``version``.
 
-        Returns sync statistics (seconds, bytes) when a sync happened, else ``None``."""
-        ...
+        Returns sync statistics (``bytes``, ``tensors``). Engines that share the policy's
+        weights never get here."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load weights")
+
+    def needs_weights(self, version: int) -> bool:
+        """Whether the weights of ``version`` must be pushed before the next rollout."""
+        return version != self.weights_version
 
     def sleep(self) -> None:
         """Free generation memory (KV cache, maybe weights) between rollouts."""
-        ...
 
     def wake(self) -> None:
         """Undo :meth:`sleep` before the next rollout."""
-        ...
+
+    def close(self) -> None:
+        """Release the engine's resources (end of the run)."""
+
+
+__all__ = ["EngineSpec", "Generation", "RolloutEngine", "SamplingParams", "WeightsIterator"]

@@ -1,7 +1,7 @@
 """The embedded generation engine: the policy itself, sampled with a lean KV-cached loop.
 
-It shares the training model's weights (no copy, so ``update_weights`` has nothing to
-move) and runs on whatever device the policy is on. The loop is written out instead of
+It shares the training model's weights (no copy, so there is nothing to push after an
+update) and runs on whatever device the policy is on. The loop is written out instead of
 calling ``model.generate`` because we need the log-prob of every sampled token and
 ``generate`` would keep a full-vocabulary score tensor per step to give it.
 """
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gspo_lightning.rollout.engine import Generation, SamplingParams
+from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
+from gspo_lightning.sampling import filter_logits
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -29,54 +30,34 @@ def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> t
     return ids.to(device), mask.to(device)
 
 
-def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k / nucleus to -inf (top-k first, as transformers does)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+class HFEngine(RolloutEngine):
+    """Samples from the training model itself (``model.engine`` default).
 
+    Args:
+        generation_batch_size: responses sampled at once (``null``: all of the step's);
+            a memory knob, rounded down to whole groups.
+    """
 
-class HFEngine:
-    """Samples from a Hugging Face causal LM in place."""
+    shares_policy_weights = True  # the same module object as the policy: always current
 
-    def __init__(
-        self,
-        model: nn.Module,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        generation_batch_size: Optional[int] = None,
-        all_finished: Optional[Callable[[bool], bool]] = None,
-    ):
-        """``all_finished(local_done) -> global_done`` keeps ranks of a sharded model decoding
-        in lockstep (each forward all-gathers weights); ``None`` stops as soon as this rank is done."""
-        self.model = model
-        self.all_finished = all_finished
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
+    def __init__(self, generation_batch_size: Optional[int] = None):
+        super().__init__()
+        if generation_batch_size is not None and generation_batch_size < 1:
+            raise ValueError(f"generation_batch_size must be >= 1 or null, got {generation_batch_size}")
         self.generation_batch_size = generation_batch_size
-        self.weights_version = -1
+        self.model: Optional[nn.Module] = None
+        self.eos_token_ids: list[int] = []
+        self.pad_token_id = 0
+        self.all_finished: Optional[Callable[[bool], bool]] = None
 
-    def update_weights(self, policy: nn.Module, version: int) -> Optional[dict[str, float]]:
-        # Same module object as the policy: its weights are always current.
-        self.model = policy
-        if version == self.weights_version:
-            return None
-        self.weights_version = version
-        return {"seconds": 0.0, "bytes": 0.0}
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
+    def start(self, spec: EngineSpec) -> None:
+        if spec.policy is None:
+            raise ValueError("HFEngine samples from the policy itself: EngineSpec.policy must be the training model")
+        self.model = spec.policy
+        self.eos_token_ids = list(spec.eos_token_ids)
+        self.pad_token_id = spec.pad_token_id
+        # sharded weights are gathered in every forward: all ranks must take as many decode steps
+        self.all_finished = spec.lockstep
 
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
@@ -142,27 +123,71 @@ class HFEngine:
 
 
 def _sample_step(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """One token per row and its log-prob under the temperature-scaled distribution.
-
-    The log-prob is taken before top-k/top-p filtering: it must match what the trainer
-    recomputes from the same logits (``logprobs.py`` applies the same temperature).
-    Sampling inverts the CDF with one uniform draw per row: at a 32k vocabulary
-    ``torch.multinomial`` alone was a quarter of a CPU step.
-    """
+    """One token per row and its log-prob under the sampling distribution: the
+    temperature-scaled logits, top-k / top-p filtered and renormalized (the trainer scores
+    under the same distribution, ``logprobs.py``)."""
     if params.temperature == 0:
         token = logits.argmax(-1)
         return token, F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     scaled = logits / params.temperature if params.temperature != 1.0 else logits
-    log_probs = F.log_softmax(scaled, -1)
-    if params.top_k > 0 or params.top_p < 1.0:
-        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-    else:
-        probs = log_probs.exp()
-    cdf = probs.cumsum(-1)
-    u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-    # right=True: a token with zero probability (a flat stretch of the CDF) is never picked
-    token = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-    return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+    scaled = filter_logits(scaled, params.top_k, params.top_p)
+    top = scaled.amax(-1, keepdim=True)
+    weights = (scaled - top).exp_()  # unnormalized probabilities, 0 where filtered out
+    token, total = draw(weights, generator)
+    picked = scaled.gather(-1, token[:, None]).squeeze(-1) - top.squeeze(-1)
+    return token, picked - total.log().to(picked.dtype)
+
+
+_BLOCK = 1024  # vocabulary entries per block of the two-level draw
+
+
+def draw(weights: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Index ``i`` of each row with probability ``weights[i] / weights.sum()``, and the row sums.
+
+    Exact to float64 resolution: a float32 cumulative sum over the whole vocabulary cannot
+    resolve tokens below ~6e-8 of the mass (at a 152k vocabulary they add up to ~7e-4 of
+    total variation). Two levels instead: a block of ``_BLOCK`` entries from the float64
+    cumulative sum of block sums, then an entry from the float64 cumulative sum of that block
+    alone. The only full-vocabulary pass is the float32 block sum (``torch.multinomial``
+    draws an exponential variate per entry, ~40x slower at a 32k vocabulary, and a float64
+    cumulative sum of the whole row ~5x). One uniform number per row from ``generator``.
+    """
+    rows, vocab = weights.shape
+    if vocab <= _BLOCK:  # one block: the float64 cumulative sum of the row is cheap
+        ends = weights.double().cumsum(-1)
+        total = ends[:, -1:]
+        return torch.searchsorted(ends, _uniform_below(total, generator), right=True).squeeze(-1), total.squeeze(-1)
+    width = _BLOCK
+    full = vocab // width * width
+    blocks = weights[:, :full].view(rows, full // width, width)
+    mass = blocks.sum(-1)
+    tail = None
+    if full < vocab:  # the last, shorter block, padded with zero weights
+        tail = F.pad(weights[:, full:], (0, width - (vocab - full)))
+        mass = torch.cat([mass, tail.sum(-1, keepdim=True)], -1)
+    mass = mass.double()  # (rows, blocks)
+    ends = mass.cumsum(-1)
+    total = ends[:, -1:]
+    u = _uniform_below(total, generator)
+    # right=True: the first block ending after u, so never a block without mass
+    block = torch.searchsorted(ends, u, right=True)
+    block_mass = mass.gather(-1, block)
+    frac = ((u - (ends.gather(-1, block) - block_mass)) / block_mass).clamp_(0.0, 1.0)  # where u falls in it
+    index = block.squeeze(-1)
+    within = blocks[torch.arange(rows, device=weights.device), index.clamp(max=blocks.shape[1] - 1)]
+    if tail is not None:
+        within = torch.where((index == blocks.shape[1])[:, None], tail, within)
+    within = within.double().cumsum(-1)
+    within_total = within[:, -1:]
+    target = torch.minimum(frac * within_total, torch.nextafter(within_total, torch.zeros_like(within_total)))
+    offset = torch.searchsorted(within, target, right=True).squeeze(-1)
+    return index * width + offset, total.squeeze(-1)
+
+
+def _uniform_below(total: Tensor, generator: torch.Generator) -> Tensor:
+    """One float64 draw per row, uniform in ``[0, total)`` (strictly below, even after rounding)."""
+    u = torch.rand(total.shape, generator=generator, device=total.device, dtype=torch.float64) * total
+    return torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
 
 
 def _concat(parts: list[Generation], pad_id: int) -> Generation:
@@ -181,4 +206,4 @@ def _concat(parts: list[Generation], pad_id: int) -> Generation:
     )
 
 
-__all__ = ["HFEngine", "filter_logits", "left_pad"]
+__all__ = ["HFEngine", "draw", "filter_logits", "left_pad"]

@@ -198,6 +198,21 @@ def iter_buckets(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] 
     return _iter_by_size(_named_params(model), bucket_bytes, _full_tensor)
 
 
+def iter_policy_weights(policy: nn.Module, *, bucket_bytes: int = 256 * 2**20,
+                        root: Optional[nn.Module] = None) -> Iterator[tuple[str, Tensor]]:
+    """The policy's full weights as ``(hf_name, tensor)`` pairs, whatever holds them.
+
+    Plain and DDP policies hand out their parameters; FSDP2 (DTensor), FSDP1 and ZeRO-3
+    shards are gathered ``bucket_bytes`` at a time (collectives: every rank must consume
+    the iterator to the end). A pair is valid until the next one of another bucket is
+    requested. ``root``: the strategy's wrapper around the policy (FSDP1), if any.
+    """
+    with torch.no_grad():
+        for bucket in iter_buckets(policy, bucket_bytes, root):
+            yield from bucket
+            del bucket
+
+
 # -- version tracking ----------------------------------------------------------------------
 class WeightSync:
     """When and how much to push: skips unchanged versions, measures what it sends.
@@ -308,6 +323,6 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
 
 
 __all__ = [
-    "WeightSync", "engine_name", "fsdp1_class", "full_nbytes", "iter_buckets", "outputs_to_generation",
+    "WeightSync", "engine_name", "iter_policy_weights", "fsdp1_class", "full_nbytes", "iter_buckets", "outputs_to_generation",
     "plan_buckets", "sharding_kind",
 ]

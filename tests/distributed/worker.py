@@ -15,27 +15,17 @@ import torch
 
 from gspo_lightning.data import PromptDataModule
 from gspo_lightning.module import GSPOModule
-from gspo_lightning.rollout.engine import Generation
+from gspo_lightning.rollout.engine import Generation, RolloutEngine
 from gspo_lightning.rewards import RewardSpec
 
 
-class DeterministicEngine:
+class DeterministicEngine(RolloutEngine):
     """Completions that depend only on (prompt, sample index): lengths 1..5, some ending in EOS."""
 
-    weights_version = -1
+    shares_policy_weights = True
 
-    def __init__(self, vocab_size: int, eos_id: int, pad_id: int):
-        self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
-
-    def update_weights(self, policy, version):
-        self.weights_version = version
-        return {"seconds": 0.0, "bytes": 0.0}
-
-    def sleep(self):
-        pass
-
-    def wake(self):
-        pass
+    def start(self, spec):
+        self.vocab_size, self.eos_id, self.pad_id = len(spec.tokenizer), spec.eos_token_ids[0], spec.pad_token_id
 
     def generate(self, prompt_ids, n, params, seed):
         rows = []
@@ -61,6 +51,8 @@ CASES = {
     "seq-mean-token-mean": dict(loss_agg_mode="seq-mean-token-mean"),
     "seq-mean-token-sum": dict(loss_agg_mode="seq-mean-token-sum", reward_norm="group"),
     "token-mean": dict(loss_agg_mode="token-mean", importance_sampling="token", reward_norm="batch", whiten_advantages=True),
+    # the load-balancing loss is a mean per micro-batch: one group per micro-batch on either layout
+    "moe-aux-loss": dict(model_name_or_path="builtin:tiny-moe-echo", router_aux_loss_coef=0.5, micro_batch_size=4),
 }
 
 
@@ -85,18 +77,16 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     L.seed_everything(0, verbose=False)
+    settings = dict(model_name_or_path="builtin:tiny-echo", micro_batch_size=3, **CASES[case])
     module = GSPOModule(
-        model_name_or_path="builtin:tiny-echo",
-        rewards=[RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")],
-        num_return_sequences_in_group=4, response_length=5, micro_batch_size=3, max_grad_norm=None,
-        **CASES[case],
-        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        rewards=[RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")], engine=DeterministicEngine(),
+        num_return_sequences_in_group=4, response_length=5, max_grad_norm=None, num_mini_batches=1,
+        **settings, optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
     )
     module.configure_model() if strategy_name != "fsdp2" else None
     initial = {k: v.detach().clone() for k, v in module.policy.named_parameters()} if module.policy is not None else {}
-    tok = module.tokenizer
-    module.engine = DeterministicEngine(len(tok), tok.eos_token_id, tok.pad_token_id)
-    data = PromptDataModule(path="builtin:echo", rollout_batch_size=8, prompt_length=8, val_size=0, shuffle=False)
+    data = PromptDataModule(path="builtin:echo", tokenizer=settings["model_name_or_path"], rollout_batch_size=8,
+                            prompt_length=8, val_size=0, shuffle=False)
     strategy = strategy_name
     if strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy

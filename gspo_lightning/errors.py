@@ -1,0 +1,8 @@
+"""Errors a run can stop with, shared by the update loop, the module and the callbacks."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
+__all__ = ["NonFiniteError"]

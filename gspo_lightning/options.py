@@ -1,0 +1,130 @@
+"""Every choice a config can make, defined once, and the checks of the GSPO settings.
+
+The ``Literal`` types below are used in signatures (so the CLI rejects a bad value and
+``--help`` lists the good ones) and by :func:`check_choice` in the pure functions, so a
+new value is added in one place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal, Optional, get_args
+
+ImportanceSampling = Literal["seq", "seq-token", "token"]
+LossAggMode = Literal[
+    "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-sum-token-sum-norm", "token-mean",
+]
+KLEstimator = Literal["k1", "k2", "k3"]
+AdvEstimator = Literal["grpo", "reinforce", "rloo", "dr_grpo"]
+RewardNorm = Literal["group", "batch", "running"]
+OldLogprobs = Literal["recompute", "engine"]
+OnRewardError = Literal["raise", "zero"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+# estimators that compare the responses of one prompt (they need G >= 2)
+GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo")
+
+# Clip ranges follow the level of the ratio they clip (GSPO paper, section 5.1 / ROLL).
+DEFAULT_CLIP = {"seq": (3e-4, 4e-4), "seq-token": (3e-4, 4e-4), "token": (0.2, 0.27)}
+
+
+def choices(option: Any) -> tuple:
+    """The values of a ``Literal`` option type."""
+    return get_args(option)
+
+
+def check_choice(name: str, value: Any, option: Any, *, allow_none: bool = False) -> None:
+    """Raise a ``ValueError`` naming ``name`` and the valid values when ``value`` is not one."""
+    if value is None and allow_none:
+        return
+    if value not in get_args(option):
+        valid = ", ".join(repr(v) for v in get_args(option)) + (", None" if allow_none else "")
+        raise ValueError(f"{name} must be one of {valid}; got {value!r}")
+
+
+def validate_gspo_settings(s: dict[str, Any]) -> None:
+    """All problems of a ``GSPOModule`` configuration at once, before any model loads."""
+    problems = []
+    G = s["num_return_sequences_in_group"]
+    for name, option, allow_none in (
+        ("importance_sampling", ImportanceSampling, False), ("loss_agg_mode", LossAggMode, False),
+        ("kl_estimator", KLEstimator, False), ("adv_estimator", AdvEstimator, False),
+        ("reward_norm", RewardNorm, True), ("old_logprobs", OldLogprobs, False),
+        ("on_reward_error", OnRewardError, False), ("dtype", Dtype, False),
+    ):
+        try:
+            check_choice(name, s[name], option, allow_none=allow_none)
+        except ValueError as err:
+            problems.append(str(err))
+    if G < 1:
+        problems.append(f"num_return_sequences_in_group must be >= 1, got {G}")
+    if s["adv_estimator"] in GROUP_ESTIMATORS and G < 2:
+        problems.append(f"adv_estimator={s['adv_estimator']} compares responses of a prompt: set num_return_sequences_in_group >= 2 (or use reinforce)")
+    if s["reward_norm"] == "group" and G < 2:
+        problems.append("reward_norm=group needs num_return_sequences_in_group >= 2")
+    for name in ("clip_low", "clip_high", "reward_clip", "advantage_clip", "kl_loss_coef", "kl_coef", "router_aux_loss_coef"):
+        if s[name] is not None and s[name] < 0:
+            problems.append(f"{name} must be >= 0, got {s[name]}")
+    if s["clip_low"] is not None and s["clip_low"] >= 1:
+        problems.append(f"clip_low must be < 1 (the ratio is clipped at 1 - clip_low), got {s['clip_low']}")
+    if s["dual_clip_loss"] and s["dual_clip"] <= 1:
+        problems.append(f"dual_clip must be > 1 (3 is usual), got {s['dual_clip']}")
+    if (s["reward_shift"] or s["reward_scale"]) and s["reward_norm"] is None:
+        problems.append("reward_shift / reward_scale act only with a reward_norm: set reward_norm (group, batch or running) or turn them off")
+    if s["reward_shift"] and s["reward_scale"]:
+        problems.append("reward_shift and reward_scale are exclusive (set neither to both shift and scale)")
+    if s["routing_replay"] and s["old_logprobs"] == "engine":
+        problems.append("routing_replay records routing in the trainer's old-policy pass: set old_logprobs=recompute")
+    if s["add_token_level_kl"] and s["kl_coef"] == 0:
+        problems.append("add_token_level_kl needs kl_coef > 0")
+    if s["ppo_epochs"] < 1:
+        problems.append(f"ppo_epochs must be >= 1, got {s['ppo_epochs']}")
+    for name in ("num_mini_batches", "mini_batch_size", "micro_batch_size", "logprob_chunk_size"):
+        if s[name] is not None and s[name] < 1:
+            problems.append(f"{name} must be >= 1 or null, got {s[name]}")
+    if s["mini_batch_size"] is not None and s["num_mini_batches"] is not None:
+        problems.append("set one of num_mini_batches (optimizer steps per rollout) and mini_batch_size (responses per "
+                        "optimizer step), not both: set the other to null")
+    if s["mini_batch_size"] and s["micro_batch_size"] and s["mini_batch_size"] % s["micro_batch_size"]:
+        problems.append(f"mini_batch_size={s['mini_batch_size']} is not a multiple of micro_batch_size={s['micro_batch_size']}")
+    if s["response_length"] < 1:
+        problems.append(f"response_length must be >= 1, got {s['response_length']}")
+    if s["val_num_samples"] < 1:
+        problems.append(f"val_num_samples must be >= 1, got {s['val_num_samples']}")
+    if s["temperature"] <= 0:
+        problems.append(f"temperature must be > 0 for training rollouts, got {s['temperature']}")
+    if not 0 < s["top_p"] <= 1:
+        problems.append(f"top_p must be in (0, 1], got {s['top_p']}")
+    if s["top_k"] < 0:
+        problems.append(f"top_k must be >= 0 (0: off), got {s['top_k']}")
+    if problems:
+        raise ValueError("invalid GSPO configuration:\n  - " + "\n  - ".join(problems))
+    _warn_surprises(s)
+
+
+def _warn_surprises(s: dict[str, Any]) -> None:
+    """Legal settings that rarely mean what their author wanted."""
+    if s["importance_sampling"] != "token":
+        for name in ("clip_low", "clip_high"):
+            if s[name] is not None and s[name] >= 0.1:
+                warnings.warn(
+                    f"{name}={s[name]} with importance_sampling={s['importance_sampling']}: sequence-level ratios "
+                    f"stay within ~1e-3 of 1, so a token-sized clip range almost never clips (the paper uses 3e-4 / 4e-4)",
+                    stacklevel=4,
+                )
+    if s["reward_norm"] in ("group", "batch") and (s["reward_shift"] or s["reward_scale"]):
+        which = "reward_shift" if s["reward_shift"] else "reward_scale"
+        warnings.warn(f"{which} with reward_norm={s['reward_norm']}: here it means {'subtract the mean only' if s['reward_shift'] else 'divide by the std only'}; "
+                      f"ROLL honours {which} only with reward_norm=running and ignores it otherwise", stacklevel=4)
+
+
+def clip_range(importance_sampling: str, clip_low: Optional[float], clip_high: Optional[float]) -> tuple[float, float]:
+    """``(clip_low, clip_high)`` with the defaults of the ratio level filled in."""
+    default_low, default_high = DEFAULT_CLIP[importance_sampling]
+    return (default_low if clip_low is None else clip_low, default_high if clip_high is None else clip_high)
+
+
+__all__ = [
+    "AdvEstimator", "DEFAULT_CLIP", "Dtype", "GROUP_ESTIMATORS", "ImportanceSampling", "KLEstimator", "LossAggMode",
+    "OldLogprobs", "OnRewardError", "RewardNorm", "check_choice", "choices", "clip_range", "validate_gspo_settings",
+]

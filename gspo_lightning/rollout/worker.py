@@ -1,0 +1,177 @@
+"""Fresh rollouts: push new weights to the engine, generate, decode, score.
+
+The :class:`RolloutWorker` is built from the config (an engine chosen by ``class_path``,
+the reward functions, the sampling settings) and called explicitly from the module's
+training and evaluation steps, so every rollout is sampled with the weights of the
+latest update: Lightning prefetches prompt batches, never rollouts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from gspo_lightning.rewards.base import RewardComposer
+from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.hf import left_pad
+from gspo_lightning.rollout.transport import InProcessTransport
+
+
+@dataclass
+class Rollout:
+    """One step's responses, as tensors on the trainer's device.
+
+    ``input_ids`` is ``[left-padded prompt | right-padded response]``; response ``j``
+    answers prompt ``j // group_size``, so groups are contiguous rows.
+    """
+
+    input_ids: Tensor  # (N, P + R)
+    attention_mask: Tensor  # (N, P + R)
+    prompt_width: int  # P
+    response_mask: Tensor  # (N, R) bool
+    engine_logprobs: Tensor  # (N, R) sampled-token log-probs from the engine
+    rewards: Tensor  # (N,) weighted sum of the reward functions
+    reward_components: dict[str, Tensor]  # name -> (N,)
+    truncated: Tensor  # (N,) bool
+    group_size: int
+    policy_version: int
+    prompts: list[Any] = field(repr=False)
+    completions: list[str] = field(repr=False)
+    scored: Optional[Tensor] = None  # (N,) bool: False where no reward function gave a score
+    timings: dict[str, float] = field(default_factory=dict)
+    reward_errors: int = 0
+
+    @property
+    def num_responses(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.response_mask.sum(-1)
+
+
+def build_rollout_tensors(
+    prompt_ids: list[list[int]],
+    generation: Generation,
+    group_size: int,
+    pad_token_id: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Tensors of a rollout from prompts and an engine's generation."""
+    expanded = [p for p in prompt_ids for _ in range(group_size)]
+    prompt_tensor, prompt_mask = left_pad(expanded, pad_token_id, device)
+    response_mask = generation.mask.to(device)
+    completion_ids = generation.completion_ids.to(device).masked_fill(~response_mask, pad_token_id)
+    return {
+        "input_ids": torch.cat([prompt_tensor, completion_ids], dim=1),
+        "attention_mask": torch.cat([prompt_mask, response_mask.long()], dim=1),
+        "prompt_width": prompt_tensor.shape[1],
+        "response_mask": response_mask,
+        "engine_logprobs": generation.logprobs.to(device=device, dtype=torch.float32).masked_fill(~response_mask, 0.0),
+        "truncated": generation.truncated.to(device),
+    }
+
+
+class RolloutWorker:
+    """An engine, the reward functions and the sampling settings of training and evaluation.
+
+    Args:
+        engine: the generation engine (started later with :meth:`start`).
+        rewards: scores completions.
+        tokenizer: decodes completions for the reward functions.
+        train_params / group_size: sampling of training rollouts, ``G`` responses per prompt.
+        eval_params / eval_group_size: sampling of validation and test rollouts.
+        transport: how weights reach the engine (in-process for colocated engines).
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        rewards: RewardComposer,
+        tokenizer,
+        *,
+        train_params: SamplingParams,
+        group_size: int,
+        eval_params: SamplingParams,
+        eval_group_size: int,
+        transport: Optional[InProcessTransport] = None,
+    ):
+        self.engine = engine
+        self.rewards = rewards
+        self.tokenizer = tokenizer
+        self.train_params = train_params
+        self.group_size = group_size
+        self.eval_params = eval_params
+        self.eval_group_size = eval_group_size
+        self.transport = transport or InProcessTransport()
+        self.started = False
+
+    def start(self, spec: EngineSpec) -> None:
+        if not self.started:
+            self.engine.start(spec)
+            self.started = True
+
+    def sync_weights(self, version: int, weights: Callable[[], WeightsIterator]) -> dict[str, float]:
+        """Push the policy's weights of ``version`` unless the engine holds them already.
+
+        ``weights`` builds the iterator only when a push is needed (gathering sharded
+        weights is a collective, so every rank makes the same decision)."""
+        if self.engine.shares_policy_weights:
+            self.engine.weights_version = version
+            return {}
+        if not self.engine.needs_weights(version):
+            return {}
+        stats = self.transport.send(self.engine, weights(), version)
+        return {"time/weight_sync": stats["seconds"], "weight_sync/bytes": float(stats.get("bytes", 0.0))}
+
+    def rollout(self, batch: dict, *, seed: int, device: torch.device, evaluation: bool = False) -> Rollout:
+        """Generate and score responses for a batch of prompts from the data module."""
+        group_size = self.eval_group_size if evaluation else self.group_size
+        params = self.eval_params if evaluation else self.train_params
+        timings = {}
+
+        start = time.perf_counter()
+        self.engine.wake()
+        generation = self.engine.generate(batch["prompt_ids"], group_size, params, seed)
+        self.engine.sleep()
+        timings["time/generate"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        lengths = generation.lengths.tolist()
+        completion_ids = [row[:n] for row, n in zip(generation.completion_ids.tolist(), lengths)]
+        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        raw_prompts = batch.get("prompts", batch["prompt_text"])
+        prompts = [p for p in raw_prompts for _ in range(group_size)]
+        columns = {key: [v for v in values for _ in range(group_size)] for key, values in batch["columns"].items()}
+        columns["completion_lengths"] = lengths
+        errors_before = sum(self.rewards.error_counts.values())
+        scored = self.rewards(prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns)
+        total, components = scored[0], scored[1]
+        scored_rows = scored[2] if len(scored) > 2 else None
+        timings["time/score"] = time.perf_counter() - start
+
+        tensors = build_rollout_tensors(batch["prompt_ids"], generation, group_size, self.tokenizer.pad_token_id, device)
+        return Rollout(
+            **tensors,
+            rewards=torch.tensor(total, dtype=torch.float32, device=device),
+            reward_components={k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in components.items()},
+            group_size=group_size,
+            policy_version=self.engine.weights_version,
+            prompts=prompts,
+            completions=completions,
+            scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),
+            timings=timings,
+            reward_errors=sum(self.rewards.error_counts.values()) - errors_before,
+        )
+
+    def close(self) -> None:
+        if self.started:
+            self.engine.close()
+            self.started = False
+
+
+__all__ = ["Rollout", "RolloutWorker", "build_rollout_tensors"]

@@ -1,0 +1,263 @@
+"""The GSPO update of one rollout: ``ppo_epochs`` x mini-batches x micro-batches.
+
+Each mini-batch is one optimizer step. Its micro-batches accumulate gradients with the
+loss denominators of the *whole* mini-batch over all ranks (``loss.py``), so the step's
+gradient does not depend on how the mini-batch is split into micro-batches or ranks.
+
+The updater knows nothing of Lightning: the module hands it the policy's log-prob
+function and the optimizer operations (:class:`UpdateOps`) as explicit arguments.
+Extra per-micro-batch metrics plug in through ``metric_hooks`` (see :class:`MicroBatch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.loss import policy_loss
+from gspo_lightning.metrics import StepMetrics
+from gspo_lightning.rollout.worker import Rollout
+
+log = logging.getLogger(__name__)
+
+Number = Union[Tensor, float]
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The loss and the loop, as resolved from the module's config."""
+
+    importance_sampling: str
+    clip_low: float
+    clip_high: float
+    dual_clip: Optional[float]  # None: off
+    loss_agg_mode: str
+    kl_coef: float  # 0: no KL term in the loss
+    kl_estimator: str
+    horizon: int  # response_length, the H of seq-mean-token-sum-norm
+    ppo_epochs: int
+    mini_batch_size: int  # responses per optimizer step on this rank
+    micro_batch_size: int  # responses per forward/backward on this rank
+    world_size: int = 1
+    router_aux_loss_coef: float = 0.0
+    routing_replay: bool = False
+    max_consecutive_nonfinite: int = 3
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What a metric hook sees after each micro-batch's loss (tensors detached)."""
+
+    rows: Tensor  # (b,) indices into the rollout
+    logprobs: Tensor  # (b, T) the policy's, at this update
+    old_logprobs: Tensor  # (b, T)
+    advantages: Tensor  # (b,) or (b, T)
+    mask: Tensor  # (b, T)
+    loss_metrics: Mapping[str, Tensor]  # what loss.policy_loss returned
+    settings: UpdateSettings
+
+
+# hook(micro_batch) -> {metric name: (value, weight)}; averaged with these weights over the step
+MetricHook = Callable[[MicroBatch], Mapping[str, tuple[Number, Number]]]
+
+
+@dataclass(frozen=True)
+class UpdateOps:
+    """The optimizer side of an update, provided by the training strategy.
+
+    ``step(count)``: one optimizer (and scheduler) step; ``count`` marks the step that
+    advances the trainer's step counter (one per rollout). ``reduce_gradients(finite)``
+    sums gradients over ranks where the strategy does not, and returns whether every rank
+    was finite. ``all_reduce_sum`` sums a tensor over ranks (identity on one process).
+    """
+
+    backward: Callable[[Tensor], None]
+    zero_grad: Callable[[], None]
+    reduce_gradients: Callable[[bool], bool]
+    clip_gradients: Callable[[], Tensor]
+    step: Callable[[bool], None]
+    all_reduce_sum: Callable[[Tensor], Tensor]
+
+
+class PolicyUpdater:
+    """Runs the optimizer steps of one rollout and keeps the non-finite-skip state."""
+
+    def __init__(self, settings: UpdateSettings, metrics: StepMetrics, metric_hooks: Sequence[MetricHook] = ()):
+        self.settings = settings
+        self.metrics = metrics
+        self.metric_hooks = list(metric_hooks)
+        self.skipped_updates = 0
+        self.consecutive_nonfinite = 0
+        self._warned_first_clip = False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped_updates": self.skipped_updates, "consecutive_nonfinite": self.consecutive_nonfinite}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+
+    def run(
+        self,
+        rollout: Rollout,
+        advantages: Tensor,
+        old: Optional[Tensor],
+        ref: Optional[Tensor],
+        policy_logprobs: Callable[[Tensor], tuple[Tensor, Tensor]],
+        ops: UpdateOps,
+        *,
+        router=None,
+        generator: Optional[torch.Generator] = None,
+    ) -> int:
+        """All updates of one rollout; returns the number of optimizer steps taken.
+
+        ``policy_logprobs(rows) -> (logprobs, entropy)`` runs the policy with grad on rows
+        of the rollout. ``old`` is ``None`` when exactly one update follows a recompute (the
+        first forward's own log-probs are the old ones). ``router`` is the MoE
+        ``RoutingRecorder`` when the policy has experts.
+        """
+        s = self.settings
+        num = rollout.num_responses
+        mask = rollout.response_mask
+        lengths = rollout.lengths
+        device = mask.device
+        steps_taken = 0
+        counted = False
+        for epoch in range(s.ppo_epochs):
+            in_order = s.ppo_epochs == 1 and s.mini_batch_size == num
+            order = torch.arange(num) if in_order else torch.randperm(num, generator=generator)
+            for mini_index, mini_rows in enumerate(order.to(device).split(s.mini_batch_size)):
+                first = epoch == 0 and mini_index == 0  # before any update of this rollout: on-policy
+                # denominators of the whole optimizer step, over all ranks
+                counts = ops.all_reduce_sum(torch.stack([(lengths[mini_rows] > 0).sum(), mask[mini_rows].sum()]).float())
+                ops.zero_grad()
+                finite = True
+                step_loss = 0.0
+                for rows in mini_rows.split(s.micro_batch_size):
+                    logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], router, first)
+                    micro_old = old[rows] if old is not None else logprobs.detach()
+                    loss, loss_metrics = policy_loss(
+                        logprobs, micro_old, advantages[rows], mask[rows],
+                        importance_sampling=s.importance_sampling, clip_low=s.clip_low, clip_high=s.clip_high,
+                        dual_clip=s.dual_clip, loss_agg_mode=s.loss_agg_mode,
+                        ref_logprobs=ref[rows] if ref is not None else None,
+                        kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
+                        num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
+                    )
+                    if not self._finite_everywhere(loss, ops):
+                        finite = False  # every rank skips together: sharded backwards are collective
+                        break
+                    if aux_loss is not None:
+                        # a mean per micro-batch, weighed by its share of the step's responses over
+                        # ALL ranks: the gradients are summed over ranks, so this sums to the mean
+                        share = len(rows) / (len(mini_rows) * s.world_size)
+                        loss = loss + s.router_aux_loss_coef * aux_loss * share
+                    ops.backward(loss)
+                    step_loss += float(loss.detach())
+                    micro = MicroBatch(rows, logprobs.detach(), micro_old, advantages[rows], mask[rows], loss_metrics, s)
+                    self._record(micro, lengths[rows], entropy, first)
+                    if first and rollout.engine_logprobs is not None:
+                        self._record_mismatch(rollout, rows, logprobs.detach())
+                finite = ops.reduce_gradients(finite)
+                grad_norm = ops.clip_gradients() if finite else torch.tensor(float("nan"))
+                if finite and bool(torch.isfinite(grad_norm)):
+                    ops.step(not counted)
+                    counted = True
+                    steps_taken += 1
+                    self.consecutive_nonfinite = 0
+                    self.metrics.update("grad_norm", grad_norm)
+                    # summed over ranks: each rank's loss already divides by the global counts
+                    self.metrics.update("loss/policy", ops.all_reduce_sum(torch.tensor(step_loss, device=device)))
+                else:
+                    self._skip(ops)
+        return steps_taken
+
+    # -- pieces --------------------------------------------------------------------------
+    def _forward(self, policy_logprobs, rows: Tensor, attention_mask: Tensor, router, first: bool):
+        """The policy's log-probs with grad; with an MoE router also the routing change since
+        the old-policy pass (measured before a replay overrides it) and the load-balancing loss."""
+        s = self.settings
+        if router is None:
+            return (*policy_logprobs(rows), None)
+        with contextlib.ExitStack() as stack:
+            change = stack.enter_context(router.measure(rows)) if router.has_record and not first else None
+            if s.routing_replay:
+                stack.enter_context(router.replay(rows))
+            capture = stack.enter_context(router.capture_router_logits()) if s.router_aux_loss_coef > 0 else None
+            logprobs, entropy = policy_logprobs(rows)
+        if change is not None and change.value is not None:
+            self.metrics.update("moe/routing_change", change.value)
+        aux = capture.load_balancing_loss(attention_mask) if capture is not None else None
+        return logprobs, entropy, aux
+
+    @staticmethod
+    def _finite_everywhere(loss: Tensor, ops: UpdateOps) -> bool:
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss)) else 1.0], device=loss.device)
+        return bool(ops.all_reduce_sum(bad).item() == 0)
+
+    def _record(self, micro: MicroBatch, lengths: Tensor, entropy: Tensor, first: bool) -> None:
+        m = self.metrics
+        metrics, mask = micro.loss_metrics, micro.mask
+        units = (lengths > 0).sum() if self.settings.importance_sampling != "token" else mask.sum()
+        for name in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean"):
+            m.update(f"loss/{name}", metrics[name], units)
+        if first:  # on-policy: with exact old log-probs nothing can clip here
+            m.update("loss/clip_frac_first_minibatch", metrics["clip_frac"], units)
+            self._warn_first_clip(float(metrics["clip_frac"]), micro)
+        m.update("loss/ratio_max", metrics["ratio_max"], kind="max")
+        m.update("loss/ratio_min", metrics["ratio_min"], kind="min")
+        if "kl" in metrics:
+            m.update("kl", metrics["kl"], mask.sum())
+        valid = mask.bool()
+        m.update("entropy", entropy[valid].mean() if valid.any() else torch.tensor(float("nan")), valid.sum())
+        for hook in self.metric_hooks:
+            for name, (value, weight) in hook(micro).items():
+                m.update(name, value, weight)
+
+    def _warn_first_clip(self, clip_frac: float, micro: MicroBatch) -> None:
+        if clip_frac <= 0 or self._warned_first_clip:
+            return
+        self._warned_first_clip = True
+        valid = micro.mask.bool()
+        diff = torch.where(valid, micro.logprobs - micro.old_logprobs, torch.zeros_like(micro.logprobs))
+        lengths = valid.sum(-1).clamp(min=1)
+        seq = (diff.sum(-1) / lengths).abs()
+        warnings.warn(
+            f"{clip_frac:.1%} of the first mini-batch was clipped before any update: the old log-probs differ from "
+            f"the trainer's (mean |token diff| {diff.abs().sum().item() / max(1, int(valid.sum())):.2e}, max |sequence "
+            f"log-ratio| {seq.max().item():.2e}; clip range {self.settings.clip_low:g}/{self.settings.clip_high:g}). "
+            f"With old_logprobs=engine this is the engine/trainer mismatch: use old_logprobs=recompute, or widen the "
+            f"clip range above the mismatch. With recompute, the policy is not deterministic in train mode (dropout?).",
+            stacklevel=2,
+        )
+
+    def _record_mismatch(self, rollout: Rollout, rows: Tensor, trainer_logprobs: Tensor) -> None:
+        """How far the engine's sampled-token log-probs are from the trainer's (same weights)."""
+        mask = rollout.response_mask[rows]
+        diff = torch.where(mask, trainer_logprobs - rollout.engine_logprobs[rows], torch.zeros_like(trainer_logprobs))
+        lengths = mask.sum(-1)
+        self.metrics.update("engine/logprob_abs_diff", diff.abs().sum() / mask.sum().clamp(min=1), mask.sum())
+        seq_log_ratio = diff.sum(-1)[lengths > 0] / lengths[lengths > 0]
+        if seq_log_ratio.numel():
+            self.metrics.update("engine/seq_log_ratio_abs_max", seq_log_ratio.abs().max(), kind="max")
+
+    def _skip(self, ops: UpdateOps) -> None:
+        ops.zero_grad()
+        self.skipped_updates += 1
+        self.consecutive_nonfinite += 1
+        log.warning("skipped an update with a non-finite loss or gradient (%d in a row)", self.consecutive_nonfinite)
+        if self.consecutive_nonfinite >= self.settings.max_consecutive_nonfinite:
+            raise NonFiniteError(
+                f"{self.consecutive_nonfinite} updates in a row had a non-finite loss or gradient. Lower the learning "
+                f"rate, set max_grad_norm, check the reward scale, or raise max_consecutive_nonfinite."
+            )
+
+
+__all__ = ["MetricHook", "MicroBatch", "PolicyUpdater", "UpdateOps", "UpdateSettings"]
