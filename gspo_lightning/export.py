@@ -7,9 +7,12 @@ transformers and vLLM load directly.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
@@ -19,7 +22,33 @@ def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
     policy.save_pretrained(out, safe_serialization=True)
     policy.config.use_cache = False
     tokenizer.save_pretrained(out)
+    check_auto_tokenizer(tokenizer, out)
     return out
+
+
+def check_auto_tokenizer(tokenizer, folder: Path) -> bool:
+    """Whether ``AutoTokenizer`` reloads the saved tokenizer as the same tokenizer (users load
+    exports with the Auto classes; transformers may swap in the architecture's own class)."""
+    from transformers import AutoTokenizer
+
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(min(len(tokenizer), 64)) if i not in special][:16]
+    probe = tokenizer.decode(ids) + " 12 + 3 = 15"  # the tokenizer's own words, with spaces
+
+    def round_trip(tok) -> tuple[list[int], str]:
+        encoded = tok(probe, add_special_tokens=False)["input_ids"]
+        return encoded, tok.decode(encoded)
+
+    try:
+        reloaded = AutoTokenizer.from_pretrained(folder)
+        same = round_trip(reloaded) == round_trip(tokenizer)
+    except Exception as err:  # noqa: BLE001 - a custom tokenizer that needs remote code, say
+        log.warning("could not check the exported tokenizer with AutoTokenizer: %s", err)
+        return False
+    if not same:
+        log.warning("AutoTokenizer loads the tokenizer in %s as %s, which tokenizes differently from the trained "
+                    "one: load it with %s.from_pretrained instead", folder, type(reloaded).__name__, type(tokenizer).__name__)
+    return same
 
 
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -11,6 +12,32 @@ import torch
 from gspo_lightning.tasks.tiny import build_tiny_model, build_tokenizer, get_spec, is_builtin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what the hub accepts as a model id: "name" or "organization/name"
+HUB_ID = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")
+HUB_ID_EXAMPLE = "'Qwen/Qwen3-1.7B' (organization/name)"
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Fail at once, in one line, for a local model folder that does not exist (instead of
+    the hub's 'Repo id must be in the form ...' after a retry loop)."""
+    if is_builtin(name_or_path):
+        return
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(f"model path {name_or_path!r} is a file: point at the folder that holds config.json")
+        return
+    looks_local = name_or_path.startswith((".", "/", "~", "\\")) or not HUB_ID.match(name_or_path) or ".." in name_or_path
+    if looks_local:
+        raise FileNotFoundError(f"model folder {name_or_path!r} does not exist ({path.resolve()}). A local model is a "
+                                f"folder with config.json; a hub model is named by its id, like {HUB_ID_EXAMPLE}")
+
+
+def _hub_error(name_or_path: str, err: OSError) -> FileNotFoundError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return FileNotFoundError(f"cannot load model {name_or_path!r}: no local folder of that name "
+                             f"({Path(name_or_path).expanduser().resolve()}) and the hub did not provide it: {first_line}. "
+                             f"A hub id looks like {HUB_ID_EXAMPLE}; offline, point at a local folder")
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
@@ -22,16 +49,20 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    check_model_source(name_or_path)
     if is_builtin(name_or_path):
         tokenizer = build_tokenizer(get_spec(name_or_path))
     else:
-        config_file = Path(name_or_path) / "tokenizer_config.json"
+        config_file = Path(name_or_path).expanduser() / "tokenizer_config.json"
         saved_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-        # transformers 5 saves a plain fast tokenizer as "TokenizersBackend"
-        if saved_class in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(name_or_path)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        try:
+            # transformers 5 saves a plain fast tokenizer as "TokenizersBackend"
+            if saved_class in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(name_or_path)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except OSError as err:
+            raise _hub_error(name_or_path, err) from err
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
@@ -54,10 +85,14 @@ def load_policy(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if is_builtin(name_or_path):
         return build_tiny_model(name_or_path, tokenizer, DTYPES[dtype])
+    check_model_source(name_or_path)
     kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    try:
+        return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as err:
+        raise _hub_error(name_or_path, err) from err
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

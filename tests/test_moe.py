@@ -118,7 +118,7 @@ def test_a_router_that_cannot_be_probed_falls_back_to_its_attributes(monkeypatch
 
 def test_dense_model_raises_naming_the_class(tiny_echo):
     model, _ = tiny_echo
-    with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
         RoutingRecorder(model)
 
 

@@ -28,7 +28,9 @@ class TinyModelSpec:
     words: tuple[str, ...] = ()
     corpus: Optional[str] = None  # "gsm8k": the GSM8K subset shipped in gspo_lightning/datasets
     bpe_vocab_size: int = 2000
-    model_type: str = "qwen2"  # or "qwen2_moe"
+    # "llama", not "qwen2": transformers' AutoTokenizer forces Qwen2's byte-level tokenizer on
+    # any qwen2 checkpoint, which drops the spaces of these tokenizers in exported folders
+    model_type: str = "llama"  # or "qwen2_moe"
     vocab_size: Optional[int] = None  # pad the embedding to this size (None: the tokenizer's)
     hidden_size: int = 64
     intermediate_size: int = 128
