@@ -1,10 +1,14 @@
 """Log-probs of response tokens under a causal LM, without a full-vocabulary logit tensor.
 
-The naive path (``model(...).logits`` -> ``log_softmax`` -> gather) holds ``N x T x V``
-float32 values at once, several times over in backward: at a 32k vocabulary that is the
-largest tensor of a step. The chunked path runs the decoder once, then projects only the
-response positions through the output head a chunk of tokens at a time, under activation
-checkpointing so backward recomputes each chunk's logits instead of keeping them.
+Tokens are scored under the distribution the engine sampled from: temperature-scaled,
+top-k / top-p filtered and renormalized (``sampling.py``).
+
+The decoder runs once; only the response positions go through the output head. When their
+float32 logits are small (``max_unchunked_bytes``) they are projected at once and autograd
+keeps them. When they are large (a 32k+ vocabulary: the largest tensors of a step, several
+times over in backward) the head runs ``chunk_size`` tokens at a time under activation
+checkpointing, so backward recomputes each chunk's logits instead of keeping them; that
+costs one more head matmul, which pays only when the logits would not fit.
 """
 
 from __future__ import annotations
@@ -16,21 +20,42 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from gspo_lightning.sampling import keep_mask
+
+# Response logits up to this size (float32 bytes, all rows) are projected in one piece.
+MAX_UNCHUNKED_BYTES = 128 * 2**20
+
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding, as the engine used while sampling."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """``(log-prob of target, entropy)`` per position, in float32."""
+def token_logprobs(
+    logits: Tensor, targets: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """``(log-prob of target, entropy)`` per position, in float32, under the sampling distribution.
+
+    With top-k / top-p on, tokens outside the kept set get probability 0 and the rest are
+    renormalized; the kept set is a selection (no gradient flows through it), the gradient
+    flows through the kept logits. The target itself always counts as kept: it was sampled
+    from the engine's kept set, and a boundary token that the trainer's slightly different
+    numerics would drop must not get a log-prob of -inf.
+    """
     logits = logits.float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
+    keep = keep_mask(logits, top_k, top_p)
+    if keep is not None:
+        keep.scatter_(-1, targets.unsqueeze(-1), True)
+        logits = logits.masked_fill(~keep, float("-inf"))
     log_probs = F.log_softmax(logits, dim=-1)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():  # a metric: no graph, and checkpoint recomputation skips it
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        plogp = log_probs.exp() * log_probs
+        if keep is not None:
+            plogp = plogp.masked_fill(~keep, 0.0)  # 0 * -inf
+        entropy = -plogp.sum(-1)
     return picked, entropy
 
 
@@ -52,13 +77,17 @@ def response_logprobs(
     prompt_width: int,
     *,
     temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     chunk_size: Optional[int] = 512,
+    max_unchunked_bytes: int = MAX_UNCHUNKED_BYTES,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies ``(N, R)`` of the tokens after the first ``prompt_width``.
 
     ``input_ids`` is ``[left-padded prompt | right-padded response]``. ``chunk_size`` is
-    the number of response tokens projected to the vocabulary at once; ``None`` (or a
-    model with logit post-processing) takes the naive path through ``model.forward``.
+    the number of response tokens projected to the vocabulary at once when the response
+    logits exceed ``max_unchunked_bytes``; ``None`` (or a model with logit post-processing)
+    takes the plain path through ``model.forward``.
     """
     position_ids = position_ids_from_mask(attention_mask)
     targets = input_ids[:, prompt_width:]
@@ -67,7 +96,7 @@ def response_logprobs(
         width = input_ids.shape[1] - prompt_width + 1
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False, logits_to_keep=width).logits[:, :-1]
-        return _token_logprobs(logits, targets, temperature)
+        return token_logprobs(logits, targets, temperature, top_k, top_p)
 
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
@@ -79,8 +108,11 @@ def response_logprobs(
     flat_targets = targets.reshape(rows * length)
 
     def chunk_fn(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        return _token_logprobs(head(h), t, temperature)
+        return token_logprobs(head(h), t, temperature, top_k, top_p)
 
+    if rows * length * head.weight.shape[0] * 4 <= max_unchunked_bytes:
+        picked, entropy = chunk_fn(flat_hidden, flat_targets)
+        return picked.view(rows, length), entropy.view(rows, length)
     picked, entropy = [], []
     use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
     for start in range(0, flat_hidden.shape[0], chunk_size):

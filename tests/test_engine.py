@@ -1,17 +1,26 @@
 """The engine contract, run against the Hugging Face engine (the vLLM engine runs the same
-checks where CUDA and vLLM exist)."""
+checks where CUDA and vLLM exist), and the exactness of its sampler."""
+
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.rollout.engine import SamplingParams
-from gspo_lightning.rollout.hf import HFEngine, filter_logits, left_pad
+from gspo_lightning.rollout.engine import EngineSpec, SamplingParams
+from gspo_lightning.rollout.hf import HFEngine, _sample_step, left_pad
+from gspo_lightning.sampling import filter_logits
 
 
-def make_engine(model_tok):
+def make_engine(model_tok, generation_batch_size=None):
     model, tok = model_tok
-    return HFEngine(model, [tok.eos_token_id], tok.pad_token_id), tok
+    engine = HFEngine(generation_batch_size=generation_batch_size)
+    engine.start(EngineSpec(
+        model_name_or_path="builtin:test", dtype="float32", prompt_length=None, response_length=16, seed=0,
+        eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=model,
+    ))
+    return engine, tok
 
 
 def prompts(tok, n=3):
@@ -44,21 +53,50 @@ def test_same_seed_same_samples_other_seed_differs(tiny_gsm8k):
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_match_a_recomputation_by_the_policy(tiny_gsm8k, temperature):
-    engine, tok = make_engine(tiny_gsm8k)
-    ps = prompts(tok)
-    gen = engine.generate(ps, 3, SamplingParams(max_new_tokens=12, temperature=temperature, top_k=50), seed=5)
-    ids, mask = left_pad([p for p in ps for _ in range(3)], tok.pad_token_id, "cpu")
+def rollout_batch(engine, tok, ps, n, params, seed):
+    """``(generation, input_ids, attention_mask, prompt_width)`` as the trainer sees them."""
+    gen = engine.generate(ps, n, params, seed=seed)
+    ids, mask = left_pad([p for p in ps for _ in range(n)], tok.pad_token_id, "cpu")
     full = torch.cat([ids, gen.completion_ids], 1)
     attn = torch.cat([mask, gen.mask.long()], 1)
-    recomputed, _ = response_logprobs(engine.model, full, attn, ids.shape[1], temperature=temperature)
-    torch.testing.assert_close(recomputed[gen.mask], gen.logprobs[gen.mask], atol=1e-5, rtol=1e-5)
+    return gen, full, attn, ids.shape[1]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (0.7, 0, 0.9), (1.3, 40, 0.8),
+])
+def test_logprobs_match_a_recomputation_by_the_policy(tiny_gsm8k, temperature, top_k, top_p):
+    """The importance ratio compares the same distribution on both sides: the trainer's
+    recomputation under the engine's sampling settings gives the engine's log-probs."""
+    engine, tok = make_engine(tiny_gsm8k)
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p)
+    gen, full, attn, width = rollout_batch(engine, tok, prompts(tok), 3, params, seed=5)
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(engine.model, full, attn, width, temperature=temperature,
+                                          top_k=top_k, top_p=top_p)
+    torch.testing.assert_close(recomputed[gen.mask], gen.logprobs[gen.mask], atol=2e-6, rtol=1e-6)
+
+
+def test_filtered_logprobs_are_those_of_the_renormalized_kept_set_by_hand(tiny_echo):
+    """top-k 3 at temperature 0.5: the engine reports log(p_t / sum of the 3 largest p)."""
+    engine, tok = make_engine(tiny_echo)
+    ps = [tok("repeat 1 2", add_special_tokens=False)["input_ids"]]
+    gen = engine.generate(ps, 4, SamplingParams(max_new_tokens=3, temperature=0.5, top_k=3), seed=1)
+    for row in range(4):
+        ids = torch.tensor([ps[0] + gen.completion_ids[row, :3].tolist()])
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids).logits[0, len(ps[0]) - 1:-1]  # predicts the 3 response tokens
+        for step in range(3):
+            probs = torch.softmax(logits[step].double() / 0.5, -1)
+            top3 = probs.topk(3).indices.tolist()
+            token = int(gen.completion_ids[row, step])
+            assert token in top3
+            expected = math.log(probs[token] / probs[top3].sum())
+            assert abs(float(gen.logprobs[row, step]) - expected) < 1e-5
 
 
 def test_generation_batch_size_does_not_change_samples_shape(tiny_gsm8k):
-    model, tok = tiny_gsm8k
-    chunked = HFEngine(model, [tok.eos_token_id], tok.pad_token_id, generation_batch_size=5)
+    chunked, tok = make_engine(tiny_gsm8k, generation_batch_size=5)
     gen = chunked.generate(prompts(tok), 4, SamplingParams(max_new_tokens=6), seed=0)
     assert gen.completion_ids.shape[0] == 12 and gen.lengths.shape == (12,)
 
@@ -70,6 +108,49 @@ def test_greedy_is_deterministic_and_picks_argmax(tiny_gsm8k):
     assert torch.equal(gen.completion_ids[0], gen.completion_ids[1])
     logits = engine.model(input_ids=torch.tensor(ps)).logits[0, -1]
     assert gen.completion_ids[0, 0] == logits.argmax()
+
+
+def test_sampled_frequencies_match_a_known_distribution():
+    """20000 draws from fixed probabilities (top-k / top-p off and on): every frequency
+    within 4.5 standard deviations of its probability under the renormalized kept set."""
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.01])
+    logits = probs.log().expand(20000, -1).contiguous()
+    generator = torch.Generator().manual_seed(0)
+    for top_k, top_p, kept in [(0, 1.0, 10), (4, 1.0, 4), (0, 0.7, 4), (6, 0.85, 5)]:
+        token, logprob = _sample_step(logits, SamplingParams(4, top_k=top_k, top_p=top_p), generator)
+        target = torch.zeros(10, dtype=torch.float64)
+        target[:kept] = probs[:kept].double() / probs[:kept].double().sum()
+        freq = torch.bincount(token, minlength=10).double() / len(token)
+        sd = (target * (1 - target) / len(token)).sqrt()
+        assert ((freq - target).abs() <= 4.5 * sd + 1e-12).all(), (top_k, top_p, freq, target)
+        torch.testing.assert_close(logprob.double(), target[token].log(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow  # ~5 s: detecting a 1% mass needs ~1e9 vocabulary entries drawn over
+def test_tokens_below_float32_cdf_resolution_are_sampled():
+    """A 2**20-token tail of tiny probabilities (1.8e-8 each) after a token holding 98%.
+
+    A float32 cumulative sum cannot tell most tail tokens apart from their neighbour: their
+    CDF steps round to zero width (the tokens of ``lost``, 1.3% of the mass), and a float32
+    inverse-CDF draw never returns them. An exact draw returns them at their probability.
+    """
+    tail = 2**20
+    logits = torch.full((tail + 1,), math.log(1.8e-8))
+    logits[0] = 0.0
+    probs = F.log_softmax(logits, -1).exp()
+    cdf32 = probs.cumsum(-1)
+    lost = (torch.diff(cdf32, prepend=cdf32.new_zeros(1)) == 0) & (probs > 0)
+    lost_mass = float(probs.double()[lost].sum())
+    assert 0.01 < lost_mass < 0.02
+    rows = logits.expand(16, -1).contiguous()
+    generator = torch.Generator().manual_seed(0)
+    draws = hits = 0
+    for _ in range(48):
+        token, _ = _sample_step(rows, SamplingParams(4), generator)
+        hits += int(lost[token].sum())
+        draws += len(token)
+    expected = draws * lost_mass  # ~10.3: P(hits == 0) = 3e-5, P(hits > 25) = 1e-4 for an exact sampler
+    assert 1 <= hits <= 25, (hits, expected)
 
 
 def test_filter_logits_top_k_and_top_p_by_hand():
@@ -90,8 +171,14 @@ def test_sampling_params_reject_bad_values():
         SamplingParams(0)
 
 
-def test_update_weights_skips_unchanged_version(tiny_echo):
+def test_samples_the_policy_itself_so_weights_are_never_pushed(tiny_echo):
     engine, _ = make_engine(tiny_echo)
-    assert engine.update_weights(engine.model, 0) is not None
-    assert engine.update_weights(engine.model, 0) is None
-    assert engine.update_weights(engine.model, 1) is not None and engine.weights_version == 1
+    assert engine.shares_policy_weights and engine.model is tiny_echo[0]
+    with pytest.raises(ValueError, match="policy"):
+        HFEngine().start(EngineSpec(model_name_or_path="builtin:test", dtype="float32", prompt_length=None,
+                                    response_length=4, seed=0, eos_token_ids=[1], pad_token_id=0))
+
+
+def test_generation_batch_size_must_be_positive():
+    with pytest.raises(ValueError, match="generation_batch_size"):
+        HFEngine(generation_batch_size=0)

@@ -1,9 +1,12 @@
-"""The chunked log-prob path gives the naive path's values and gradients."""
+"""Log-probs under the sampling distribution; the chunked path gives the naive path's
+values and gradients."""
+
+import math
 
 import pytest
 import torch
 
-from gspo_lightning.logprobs import response_logprobs, supports_chunked
+from gspo_lightning.logprobs import response_logprobs, supports_chunked, token_logprobs
 
 
 def batch(tok, vocab, rows=4, prompt=5, response=7, seed=0):
@@ -15,9 +18,11 @@ def batch(tok, vocab, rows=4, prompt=5, response=7, seed=0):
     return ids, attn, prompt
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 1024])
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_chunked_equals_naive_values_and_gradients(tiny_gsm8k, chunk_size, temperature):
+@pytest.mark.parametrize("chunk_size,max_unchunked_bytes", [(1, 0), (5, 0), (1024, 0), (5, 2**30)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (0.8, 30, 0.9)])
+def test_chunked_equals_naive_values_and_gradients(tiny_gsm8k, chunk_size, max_unchunked_bytes, temperature, top_k, top_p):
+    """Chunked and checkpointed (budget 0), or in one piece (large budget): the same values
+    and gradients as the plain ``model.forward`` path."""
     model, tok = tiny_gsm8k
     assert supports_chunked(model)
     ids, attn, prompt = batch(tok, len(tok))
@@ -25,7 +30,8 @@ def test_chunked_equals_naive_values_and_gradients(tiny_gsm8k, chunk_size, tempe
 
     def run(chunk):
         model.zero_grad(set_to_none=True)
-        lp, ent = response_logprobs(model, ids, attn, prompt, temperature=temperature, chunk_size=chunk)
+        lp, ent = response_logprobs(model, ids, attn, prompt, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    chunk_size=chunk, max_unchunked_bytes=max_unchunked_bytes)
         (lp * weights).sum().backward()
         return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -49,6 +55,45 @@ def test_logprobs_are_log_softmax_of_the_logits_by_hand(tiny_echo):
     torch.testing.assert_close(lp[0], torch.stack(expected).detach(), atol=1e-5, rtol=1e-5)
     p = torch.softmax(logits[1], -1)
     torch.testing.assert_close(ent[0, 0], -(p * p.log()).sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_filtered_logprob_entropy_and_gradient_by_hand():
+    """p = (0.5, 0.3, 0.15, 0.05), nucleus 0.7 keeps the first two: renormalized (0.625, 0.375)."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().requires_grad_(True)
+    lp, ent = token_logprobs(logits, torch.tensor([1]), top_p=0.7)
+    assert lp.item() == pytest.approx(math.log(0.375), abs=1e-6)
+    assert ent.item() == pytest.approx(-(0.625 * math.log(0.625) + 0.375 * math.log(0.375)), abs=1e-6)
+    lp.sum().backward()
+    # d log q_1 / d logits = onehot(1) - q on the kept set, 0 outside it (the selection has no gradient)
+    torch.testing.assert_close(logits.grad, torch.tensor([[-0.625, 0.625, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    # top-k 3 at temperature 0.5: q ~ p**2 over the three largest
+    lp, _ = token_logprobs(logits.detach(), torch.tensor([2]), temperature=0.5, top_k=3)
+    assert lp.item() == pytest.approx(math.log(0.15**2 / (0.5**2 + 0.3**2 + 0.15**2)), abs=1e-6)
+
+
+def test_a_target_outside_the_kept_set_still_counts():
+    """Engine and trainer numerics differ slightly: a sampled token at the nucleus boundary
+    that the trainer would drop joins the kept set instead of scoring -inf."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    lp, ent = token_logprobs(logits, torch.tensor([2]), top_p=0.7)
+    assert lp.item() == pytest.approx(math.log(0.15 / 0.95), abs=1e-6)
+    assert math.isfinite(ent.item())
+
+
+def test_response_logprobs_apply_top_k_by_hand(tiny_echo):
+    model, tok = tiny_echo
+    ids = torch.tensor([[3, 5, 6, 7, 4]])
+    attn = torch.ones_like(ids)
+    lp, ent = response_logprobs(model, ids, attn, 2, temperature=0.7, top_k=4, chunk_size=2, max_unchunked_bytes=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].double() / 0.7
+    for i, t in enumerate((1, 2, 3)):
+        kept = logits[t].topk(4).indices
+        target = int(ids[0, t + 1])
+        kept = kept if target in kept.tolist() else torch.cat([kept, torch.tensor([target])])
+        q = torch.softmax(logits[t][kept], -1)
+        assert lp[0, i].item() == pytest.approx(math.log(q[kept.tolist().index(target)]), abs=1e-5)
+        assert ent[0, i].item() == pytest.approx(-(q * q.log()).sum().item(), abs=1e-5)
 
 
 def test_models_with_logit_softcapping_take_the_naive_path(tiny_echo):
