@@ -47,7 +47,7 @@ def test_gpu_recipe_parses():
                              "--print_config"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
-    assert config["model"]["importance_sampling"] == "seq" and config["model"]["engine"] == "vllm"
+    assert config["model"]["importance_sampling"] == "seq" and config["model"]["engine"]["class_path"] == "gspo_lightning.rollout.VLLMEngine"
 
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (ROOT / "configs" / "scale").glob("*.yaml")))

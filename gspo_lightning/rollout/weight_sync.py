@@ -1,21 +1,20 @@
-"""Moving the policy's weights into a generation engine, and reading what it generated.
+"""Moving the policy's weights into a generation engine, and reading what vLLM generated.
 
-Everything here is free of CUDA and vLLM, so it is tested on CPU with fake objects:
+Everything here is free of vLLM, so it is tested in the main environment:
 
+* :func:`iter_policy_weights` is what the trainer hands to an engine: the policy's full
+  (unsharded) parameters as ``(hf_name, tensor)`` pairs, whatever strategy holds them.
 * :func:`engine_name` maps a training parameter name to the Hugging Face name the engine
-  loads (vLLM's ``load_weights`` takes HF checkpoint names).
-* :func:`iter_buckets` streams the policy's full (unsharded) parameters in buckets of at
-  most ``bucket_bytes``, gathering sharded ones (FSDP2 DTensor, FSDP1, DeepSpeed ZeRO-3)
-  one bucket at a time, so no rank ever holds a second full copy of the model.
-* :class:`WeightSync` skips a sync when the policy version did not change and reports
-  seconds / bytes when it did.
+  loads (vLLM's loaders take HF checkpoint names).
+* :func:`iter_buckets` streams full parameters in buckets of at most ``bucket_bytes``,
+  gathering sharded ones (FSDP2 DTensor, FSDP1, DeepSpeed ZeRO-3) one bucket at a time,
+  so no rank ever holds a second full copy of the model.
 * :func:`outputs_to_generation` turns vLLM ``RequestOutput`` objects into a
   :class:`~gspo_lightning.rollout.engine.Generation`.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -205,65 +204,14 @@ def iter_policy_weights(policy: nn.Module, *, bucket_bytes: int = 256 * 2**20,
     Plain and DDP policies hand out their parameters; FSDP2 (DTensor), FSDP1 and ZeRO-3
     shards are gathered ``bucket_bytes`` at a time (collectives: every rank must consume
     the iterator to the end). A pair is valid until the next one of another bucket is
-    requested. ``root``: the strategy's wrapper around the policy (FSDP1), if any.
+    requested. ``root``: the strategy's wrapper around the policy (Lightning's
+    ``strategy.model``); it matters only for FSDP1, whose root unit holds the policy's
+    embeddings and final norm, and any other wrapper is fine to pass.
     """
     with torch.no_grad():
         for bucket in iter_buckets(policy, bucket_bytes, root):
             yield from bucket
             del bucket
-
-
-# -- version tracking ----------------------------------------------------------------------
-class WeightSync:
-    """When and how much to push: skips unchanged versions, measures what it sends.
-
-    ``load`` receives an iterator of buckets and must consume it completely; it is the
-    engine's side of the transfer (vLLM: ``load_weights`` per bucket).
-    """
-
-    def __init__(self, bucket_bytes: int):
-        if bucket_bytes < 1:
-            raise ValueError(f"weight sync bucket size must be >= 1 byte, got {bucket_bytes}")
-        self.bucket_bytes = int(bucket_bytes)
-        self.version = -1
-        self.stale = False  # the engine lost its weights (vLLM sleep level 2): resend
-
-    def needs_sync(self, version: int) -> bool:
-        return self.stale or version != self.version
-
-    def invalidate(self) -> None:
-        self.stale = True
-
-    @torch.no_grad()
-    def sync(self, model: nn.Module, version: int, load: Callable[[Iterator[Bucket]], Any],
-             root: Optional[nn.Module] = None) -> Optional[dict[str, float]]:
-        if not self.needs_sync(version):
-            return None
-        stats = {"bytes": 0.0, "tensors": 0.0, "buckets": 0.0}
-
-        def counted() -> Iterator[Bucket]:
-            for bucket in iter_buckets(model, self.bucket_bytes, root):
-                stats["buckets"] += 1
-                stats["tensors"] += len(bucket)
-                stats["bytes"] += float(sum(t.numel() * t.element_size() for _, t in bucket))
-                yield bucket
-                del bucket  # hold one bucket at a time, not two
-
-        start = time.perf_counter()
-        stream = counted()
-        try:
-            load(stream)
-            # gathers are collectives: finish the walk so every rank stays in step, then complain
-            leftover = sum(1 for _ in stream)
-        finally:
-            stream.close()  # leave gather contexts even when the engine failed
-        if leftover:
-            raise RuntimeError(f"the engine stopped reading weights with {leftover} bucket(s) left: "
-                               "it holds a partial update")
-        stats["seconds"] = time.perf_counter() - start
-        self.version = version
-        self.stale = False
-        return stats
 
 
 # -- vLLM outputs -> Generation --------------------------------------------------------------
@@ -323,6 +271,6 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
 
 
 __all__ = [
-    "WeightSync", "engine_name", "iter_policy_weights", "fsdp1_class", "full_nbytes", "iter_buckets", "outputs_to_generation",
+    "engine_name", "fsdp1_class", "full_nbytes", "iter_buckets", "iter_policy_weights", "outputs_to_generation",
     "plan_buckets", "sharding_kind",
 ]
