@@ -2,11 +2,17 @@
 
 Every constructor argument of ``GSPOModule``, ``PromptDataModule`` and ``Trainer`` is a
 config key; an unknown key is an error naming it; ``--print_config`` shows the result.
+Expected errors (a bad config value, a missing file, a failing reward function) print one
+short message with its fix and exit with status 2; ``--debug`` or ``GSPO_DEBUG=1`` shows
+the traceback.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -20,10 +26,18 @@ TRAINER_DEFAULTS = {
     "use_distributed_sampler": False,
 }
 
+# files a run writes before it does anything: a run that failed with only these wrote nothing
+START_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.")
+
 
 class GSPOCLI(LightningCLI):
     """LightningCLI over GSPOModule and PromptDataModule, with CSV + TensorBoard logging and
     a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 steps by default)."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # no `predict`: a GSPO module has no forward to predict with
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
 
     def add_arguments_to_parser(self, parser) -> None:
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -40,6 +54,52 @@ class GSPOCLI(LightningCLI):
                 lazy_instance(TensorBoardLogger, save_dir="runs", name="tensorboard"),
             ],
         })
+        # one value, stated once: the data module tokenizes with the model's tokenizer, and
+        # the module checks its batch sizes against the data module's
+        parser.link_arguments("model.model_name_or_path", "data.tokenizer")
+        parser.link_arguments("data.prompt_length", "model.prompt_length")
+        parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
+
+    def instantiate_trainer(self, **kwargs):
+        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = [self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
+        if trainer_config.get("enable_checkpointing") is False:
+            # --trainer.enable_checkpointing=false means no checkpoints, not a clash with ours
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        return self._instantiate_trainer(trainer_config, callbacks)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        existing = {Path(d) for d in self._log_dirs()}
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            self._remove_empty_log_dirs(existing)
+            raise
+
+    def _log_dirs(self) -> list[str]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return []
+        dirs = []
+        for logger in trainer.loggers:
+            try:
+                folder = logger.log_dir
+            except Exception:  # noqa: BLE001 - a logger without a local folder
+                continue
+            if folder and Path(folder).is_dir():
+                dirs.append(folder)
+        return dirs
+
+    def _remove_empty_log_dirs(self, existing: set[Path]) -> None:
+        """A run that failed before its first step leaves no version_N folder behind."""
+        if self.trainer.global_step > 0:
+            return
+        for folder in map(Path, self._log_dirs()):
+            if folder in existing:
+                continue
+            files = [p for p in folder.rglob("*") if p.is_file()]
+            if all(p.name.startswith(START_FILES) for p in files):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 # Warnings that say nothing actionable for a GSPO run.
@@ -48,6 +108,15 @@ QUIET = [
     ".*does not have many workers.*",  # prompts are in memory; rollouts dominate a step
     ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
 ]
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix (config values, files, reward functions): they
+    print as one message. Anything else keeps its traceback."""
+    from gspo_lightning.data import DataError
+    from gspo_lightning.rewards.base import RewardError
+
+    return (ValueError, DataError, RewardError, FileNotFoundError)
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -59,6 +128,17 @@ def main(args: Optional[list[str]] = None) -> None:
     from gspo_lightning.module import GSPOModule
     from gspo_lightning.preemption import Preempted
 
+    argv = sys.argv[1:] if args is None else list(args)
+    debug = "--debug" in argv or os.environ.get("GSPO_DEBUG", "") not in ("", "0")
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        if args is None:
+            sys.argv[1:] = argv  # LightningCLI reads sys.argv itself
+    # modules in the working directory import as they do for `python script.py` users
+    # (rewards: myrewards.score); appended, so they never shadow installed packages
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
     for pattern in QUIET:
         warnings.filterwarnings("ignore", message=pattern)
     try:
@@ -68,7 +148,7 @@ def main(args: Optional[list[str]] = None) -> None:
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
-            args=args,
+            args=None if args is None else argv,
             auto_configure_optimizers=False,
         )
     except Preempted as stop:
@@ -76,7 +156,12 @@ def main(args: Optional[list[str]] = None) -> None:
     except SIGTERMException:
         # PreemptionCheckpoint wrote last.ckpt at the step boundary before Lightning raised this
         print("gspo: stopped by SIGTERM after writing last.ckpt; resume with --ckpt_path <checkpoint dir>/last.ckpt", file=sys.stderr)
+    except expected_errors() as err:
+        if debug:
+            raise
+        print(f"gspo: error: {err}\n(for the traceback: rerun with --debug or GSPO_DEBUG=1)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -11,6 +11,7 @@ import lightning as L
 
 CURVES = [
     ("reward/mean", "mean reward"),
+    ("val/accuracy", "held-out accuracy"),
     ("loss/clip_frac", "clip fraction"),
     ("kl", "KL to reference"),
     ("entropy", "entropy"),
@@ -36,9 +37,10 @@ def plot_history(history: dict[str, list[tuple[int, float]]], path: Path, title:
     fig, axes = plt.subplots(rows, cols, figsize=(10, 2.8 * rows), squeeze=False)
     for ax, (key, label) in zip(axes.flat, present):
         steps, values = zip(*history[key])
-        ax.plot(steps, values, linewidth=1.2)
+        sparse = key.startswith("val/")  # a point per validation, not per step
+        ax.plot(steps, values, linewidth=1.2, marker="o" if sparse else None, markersize=4)
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("step")
+        ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
@@ -58,10 +60,18 @@ class TrainingCurves(L.Callback):
         self.history: dict[str, list[tuple[int, float]]] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = pl_module.rollout_steps
         for key, value in trainer.callback_metrics.items():
+            if key.startswith(("val/", "test/")):
+                continue  # held-out metrics stay in callback_metrics between validations
             if "/" in key or key in ("kl", "entropy", "grad_norm", "lr"):
-                self.history.setdefault(key, []).append((step, float(value)))
+                self.history.setdefault(key, []).append((trainer.global_step, float(value)))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        for key, value in trainer.callback_metrics.items():
+            if key.startswith("val/"):
+                self.history.setdefault(key, []).append((trainer.global_step, float(value)))
 
     def _write(self, trainer) -> None:
         folder = Path(trainer.log_dir or trainer.default_root_dir)  # a collective call: every rank

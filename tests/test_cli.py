@@ -92,3 +92,111 @@ def test_unknown_key_fails_naming_it(tmp_path):
     bad.write_text((ROOT / "configs/quickstart.yaml").read_text().replace("  response_length: 6", "  response_lenght: 6"))
     result = run_gspo("fit", "--config", str(bad), "--print_config")
     assert result.returncode != 0 and "response_lenght" in result.stderr
+
+
+# --- errors a user can make: one short message with the fix, exit status 2 ----------------
+
+def test_config_error_is_one_message_with_exit_status_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(write_config(tmp_path)), "--model.ppo_epochs=0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "gspo: error: invalid GSPO configuration" in err and "ppo_epochs must be >= 1" in err
+    assert "Traceback" not in err and "--debug" in err
+    assert len(err.strip().splitlines()) <= 6
+
+
+@pytest.mark.parametrize("switch", ["env", "flag"])
+def test_debug_switch_shows_the_traceback(tmp_path, monkeypatch, switch):
+    args = ["fit", "--config", str(write_config(tmp_path)), "--model.ppo_epochs=0"]
+    if switch == "env":
+        monkeypatch.setenv("GSPO_DEBUG", "1")
+    else:
+        args.append("--debug")
+    with pytest.raises(ValueError, match="ppo_epochs must be >= 1"):
+        main(args)
+
+
+def test_unexpected_errors_keep_their_traceback(monkeypatch):
+    import gspo_lightning.cli as cli
+
+    def internal_bug(*args, **kwargs):
+        raise RuntimeError("an internal error")
+
+    monkeypatch.setattr(cli, "GSPOCLI", internal_bug)
+    with pytest.raises(RuntimeError, match="an internal error"):
+        main(["fit"])
+    monkeypatch.setattr(cli, "GSPOCLI", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        main(["fit"])
+
+
+def test_missing_model_folder_is_a_short_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(write_config(tmp_path)), f"--model.model_name_or_path={tmp_path / 'no_model'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "does not exist" in err and "Qwen/Qwen3-1.7B" in err
+    assert "Repo id" not in err and len(err.strip().splitlines()) <= 3
+
+
+def test_empty_data_file_says_so_and_leaves_no_version_folders(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(write_config(tmp_path)), f"--data.path={tmp_path / 'empty.jsonl'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "empty.jsonl has no rows" in err and "val_size" not in err
+    assert not list(tmp_path.glob("*/version_*")), "a failed start left a version folder"
+
+
+def test_predict_is_not_offered():
+    result = run_gspo("predict", "--help")
+    assert result.returncode != 0 and "invalid choice: 'predict'" in result.stderr
+
+
+def test_test_scores_its_own_file_and_needs_one(tmp_path, capsys):
+    cfg = str(write_config(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test", "--config", cfg])
+    assert exit_info.value.code == 2 and "set data.test_path" in capsys.readouterr().err
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text("".join(json.dumps({"prompt": f"repeat {d}", "target": str(d)}) + "\n" for d in range(3)))
+    main(["test", "--config", cfg, f"--data.test_path={test_file}"])
+    record = json.loads((tmp_path / "csv" / "version_0" / "eval_results.jsonl").read_text().splitlines()[-1])
+    assert "test/accuracy" in record and "val/accuracy" not in record
+
+
+@pytest.mark.slow
+def test_checkpointing_off_means_no_checkpoints(tmp_path):
+    main(["fit", "--config", str(write_config(tmp_path)), "--trainer.enable_checkpointing=false",
+          "--trainer.max_steps=1", "--trainer.limit_val_batches=0"])
+    assert (tmp_path / "csv" / "version_0" / "metrics.csv").exists()
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+MY_REWARDS = '''
+def score(prompts, completions, target, **columns):
+    """1.0 for each word of the completion that is the target digit, over 4 words."""
+    return [sum(word == digit for word in completion.split()[:4]) / 4 for completion, digit in zip(completions, target)]
+
+
+def broken(prompts, completions, **columns):
+    raise KeyError("no such column")
+'''
+
+
+@pytest.mark.slow
+def test_reward_module_in_the_working_directory_imports_with_the_gspo_command(tmp_path):
+    (tmp_path / "myrewards.py").write_text(MY_REWARDS)
+    gspo = Path(sys.executable).parent / "gspo"  # the console script: its sys.path lacks the working directory
+    cfg = str(write_config(tmp_path))
+    base = [str(gspo), "fit", "--config", cfg, "--trainer.max_steps=1", "--trainer.limit_val_batches=0"]
+    result = subprocess.run(base + ['--model.rewards=[{"function": "myrewards.score"}]'], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "reward/score" in (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+
+    result = subprocess.run(base + ['--model.rewards=[{"function": "myrewards.broken"}]'], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "gspo: error: reward function 'broken': raised KeyError" in result.stderr
+    assert "Traceback" not in result.stderr
