@@ -90,8 +90,8 @@ class GSPOModule(L.LightningModule):
         ppo_epochs: passes over each rollout batch.
         num_mini_batches: optimizer steps per rollout batch and epoch (the paper: 4). Several
             are what let the clip act: with one, every ratio is exactly 1.
-        mini_batch_size: responses per optimizer step over all ranks, instead of
-            ``num_mini_batches`` (set that to ``null``).
+        mini_batch_size: responses per optimizer step over all ranks; when set, it takes
+            precedence over ``num_mini_batches``.
         micro_batch_size: responses per forward/backward on each rank (``null``: the whole
             local mini-batch); a memory knob that leaves the gradient unchanged, except the
             MoE load-balancing loss, which is a mean per micro-batch.

@@ -82,9 +82,6 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
     for name in ("num_mini_batches", "mini_batch_size", "micro_batch_size", "logprob_chunk_size"):
         if s[name] is not None and s[name] < 1:
             problems.append(f"{name} must be >= 1 or null, got {s[name]}")
-    if s["mini_batch_size"] is not None and s["num_mini_batches"] is not None:
-        problems.append("set one of num_mini_batches (optimizer steps per rollout) and mini_batch_size (responses per "
-                        "optimizer step), not both: set the other to null")
     if s["mini_batch_size"] and s["micro_batch_size"] and s["mini_batch_size"] % s["micro_batch_size"]:
         problems.append(f"mini_batch_size={s['mini_batch_size']} is not a multiple of micro_batch_size={s['micro_batch_size']}")
     if s["response_length"] < 1:

@@ -57,7 +57,8 @@ def test_fit_then_validate_through_the_cli(tmp_path):
 
     main(["validate", "--config", str(cfg), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
     evals = [json.loads(line) for line in (tmp_path / "csv" / "version_1" / "eval_results.jsonl").read_text().splitlines()]
-    assert evals[0]["policy_version"] == 6  # the checkpoint's weights were evaluated
+    # the checkpoint's weights were evaluated: 6 rollout steps of 4 optimizer steps
+    assert evals[0]["policy_version"] == 24
 
 
 def run_gspo(*args):

@@ -222,7 +222,6 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path):
     (dict(clip_low=-0.1), "clip_low must be >= 0"),
     (dict(reward_shift=True), "reward_shift / reward_scale act only with a reward_norm"),
     (dict(num_mini_batches=None, mini_batch_size=6, micro_batch_size=4), "not a multiple of micro_batch_size"),
-    (dict(mini_batch_size=8), "set one of num_mini_batches"),
     (dict(add_token_level_kl=True), "needs kl_coef > 0"),
     (dict(dual_clip_loss=True, dual_clip=0.5), "dual_clip must be > 1"),
     (dict(routing_replay=True, old_logprobs="engine"), "set old_logprobs=recompute"),

@@ -339,8 +339,13 @@ def test_capture_and_replay_combine():
     rows = torch.tensor([3, 4])
     with rec.replay(rows), rec.capture_router_logits() as cap:
         logprobs(model, ids, mask, rows)
+    with rec.capture_router_logits() as free:
+        logprobs(model, ids, mask, rows)
     assert len(cap.forwards) == 1 and len(cap.forwards[0][0]) == 2
-    assert torch.isfinite(cap.load_balancing_loss(mask[rows]))
+    # replay forces the experts, not the router: the logits (and so the loss) are those of free routing
+    replayed, unforced = cap.load_balancing_loss(mask[rows]), free.load_balancing_loss(mask[rows])
+    assert float(replayed) > 0
+    torch.testing.assert_close(replayed, unforced)
 
 
 def test_hooks_do_nothing_outside_the_blocks():
@@ -466,17 +471,18 @@ def fit_moe(tmp_path, max_steps=3, **overrides):
 
 
 def test_grpo_with_routing_replay_trains_in_a_trainer(tmp_path):
-    module, trainer = fit_moe(tmp_path, max_steps=4, routing_replay=True, importance_sampling="token",
+    module, trainer = fit_moe(tmp_path, max_steps=2, routing_replay=True, importance_sampling="token",
                               router_aux_loss_coef=0.01)
     assert module.router is not None and module.router.has_record
     assert module.policy_version == 4 and module.rollout_steps == 2  # 16 responses / 8 per mini-batch
     metrics = trainer.callback_metrics
     for key in ("reward/mean", "loss/clip_frac", "grad_norm"):
         assert key in metrics and torch.isfinite(metrics[key]), key
-    assert "moe/routing_change" not in metrics
+    # measured on the free routing before the replay overrides it: the router did move
+    assert float(metrics["moe/routing_change"]) > 0
 
 
 def test_moe_without_replay_logs_the_routing_change(tmp_path):
-    module, trainer = fit_moe(tmp_path, importance_sampling="token", max_steps=4)
-    change = trainer.callback_metrics["moe/routing_change"]
-    assert 0.0 <= float(change) <= 1.0
+    module, trainer = fit_moe(tmp_path, importance_sampling="token", max_steps=2)
+    change = float(trainer.callback_metrics["moe/routing_change"])
+    assert 0.0 < change <= 1.0  # after an update some tokens pick other experts

@@ -27,7 +27,7 @@ def write_config(folder: Path, max_steps: int, response_length: int = 5) -> Path
             "default_root_dir": str(folder), "enable_progress_bar": False, "enable_model_summary": False,
             "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(folder), "name": "csv"}}],
         },
-        "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 2},
+        "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 1},
         "model": {
             "model_name_or_path": "builtin:tiny-echo",
             "rewards": [{"function": "gspo_lightning.tasks.echo.echo_reward"}],
@@ -64,11 +64,11 @@ def policy_state(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     straight = tmp_path / "straight"
-    main(["fit", "--config", str(write_config(straight, 12))])
+    main(["fit", "--config", str(write_config(straight, 6))])  # 6 rollout steps of 2 optimizer steps
 
     resumed = tmp_path / "resumed"
-    main(["fit", "--config", str(write_config(resumed, 6))])
-    main(["fit", "--config", str(write_config(resumed, 12)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
+    main(["fit", "--config", str(write_config(resumed, 3))])
+    main(["fit", "--config", str(write_config(resumed, 6)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
 
     a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
     assert a.keys() == b.keys()
@@ -105,8 +105,9 @@ def test_signal_writes_a_checkpoint_exits_cleanly_and_resumes(tmp_path, sig):
     assert proc.returncode == 0, err[-3000:]
     assert "resume with --ckpt_path" in out + err
     ckpt = folder / "ckpt" / "last.ckpt"
-    stopped_at = torch.load(ckpt, map_location="cpu", weights_only=True)["gspo"]["policy_version"]
-    assert 4 <= stopped_at < 400
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    stopped_at, step = state["gspo"]["policy_version"], state["global_step"]
+    assert 4 <= stopped_at < 800 and stopped_at == 2 * step  # 2 optimizer steps per rollout step
 
-    main(["fit", "--config", str(write_config(folder, stopped_at + 4, response_length=12)), "--ckpt_path", str(ckpt)])
+    main(["fit", "--config", str(write_config(folder, step + 2, response_length=12)), "--ckpt_path", str(ckpt)])
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["gspo"]["policy_version"] == stopped_at + 4
