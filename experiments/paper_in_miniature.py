@@ -70,52 +70,26 @@ METRICS = [
 ]
 
 
-# -- the module, with two extra metrics --------------------------------------------------
-def _experiment_module_class():
-    """GSPOModule plus (1) the clip fraction counted in tokens whatever the ratio level, and
-    (2) for Routing Replay runs, how much the router *would* have changed the experts (the
-    recorder measures the free routing before the replay overrides it)."""
+# -- one extra metric, through the update loop's hook --------------------------------------
+def clip_frac_tokens(micro) -> dict:
+    """The share of response *tokens* whose ratio is clipped, whatever the ratio level (for
+    sequence ratios every token of a clipped sequence counts): the paper's Figure 2 unit.
+    ``micro`` is a :class:`gspo_lightning.update.MicroBatch`."""
     import torch
 
-    import gspo_lightning.module as gm
-    from gspo_lightning.loss import log_importance_ratio, MAX_LOG_RATIO
+    from gspo_lightning.loss import MAX_LOG_RATIO, log_importance_ratio
 
-    original_policy_loss = gm.policy_loss
-    if not getattr(original_policy_loss, "_counts_tokens", False):
-
-        def policy_loss(logprobs, old_logprobs, advantages, mask, **kwargs):
-            loss, metrics = original_policy_loss(logprobs, old_logprobs, advantages, mask, **kwargs)
-            with torch.no_grad():
-                valid = mask.bool()
-                zeros = torch.zeros_like(logprobs)
-                lp = torch.where(valid, logprobs.detach(), zeros)
-                old = torch.where(valid, old_logprobs.to(lp.dtype), zeros)
-                adv = advantages[:, None].expand_as(lp) if advantages.dim() == 1 else advantages
-                ratio = torch.exp(log_importance_ratio(lp, old, mask, kwargs["importance_sampling"]).clamp(max=MAX_LOG_RATIO))
-                low = (ratio < 1.0 - kwargs["clip_low"]) & (adv < 0) & valid
-                high = (ratio > 1.0 + kwargs["clip_high"]) & (adv > 0) & valid
-                metrics["clip_frac_tokens"] = (low | high).sum() / valid.sum().clamp(min=1)
-            return loss, metrics
-
-        policy_loss._counts_tokens = True
-        gm.policy_loss = policy_loss
-
-    class ExperimentModule(gm.GSPOModule):
-        def _loss_metrics(self, metrics, mask, lengths, entropy):
-            super()._loss_metrics(metrics, mask, lengths, entropy)
-            if "clip_frac_tokens" in metrics:
-                self.step_metrics.update("loss/clip_frac_tokens", metrics["clip_frac_tokens"], mask.sum())
-
-        def _train_forward(self, rollout, rows, before_any_update):
-            if self.router is None or not self.hparams.routing_replay or before_any_update:
-                return super()._train_forward(rollout, rows, before_any_update)
-            with self.router.measure(rows) as change:
-                out = super()._train_forward(rollout, rows, before_any_update)
-            if change.value is not None:
-                self.step_metrics.update("moe/routing_change", change.value)
-            return out
-
-    return ExperimentModule
+    s = micro.settings
+    valid = micro.mask.bool()
+    zeros = torch.zeros_like(micro.logprobs)
+    lp = torch.where(valid, micro.logprobs, zeros)
+    old = torch.where(valid, micro.old_logprobs.to(lp.dtype), zeros)
+    adv = micro.advantages[:, None].expand_as(lp) if micro.advantages.dim() == 1 else micro.advantages
+    ratio = torch.exp(log_importance_ratio(lp, old, micro.mask, s.importance_sampling).clamp(max=MAX_LOG_RATIO))
+    low = (ratio < 1.0 - s.clip_low) & (adv < 0) & valid
+    high = (ratio > 1.0 + s.clip_high) & (adv > 0) & valid
+    tokens = valid.sum()
+    return {"loss/clip_frac_tokens": ((low | high).sum() / tokens.clamp(min=1), tokens)}
 
 
 # -- one run -----------------------------------------------------------------------------
@@ -123,7 +97,6 @@ def run_one(regime: str, model_key: str, method: str, seed: int, setup: dict, wo
     """Train one (regime, model, method, seed); return the per-rollout-step metrics.
     ``setup``: :data:`SETUP` with the regime's ``lr`` and ``rollout_steps`` merged in."""
     import contextlib
-    import inspect
     import io
     import logging
 
@@ -133,12 +106,10 @@ def run_one(regime: str, model_key: str, method: str, seed: int, setup: dict, wo
     from gspo_lightning.data import PromptDataModule
     from gspo_lightning.rewards import RewardSpec
 
-    import gspo_lightning.module as gm
+    from gspo_lightning.module import GSPOModule
 
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    saved_policy_loss = gm.policy_loss  # patched for the token clip count; restored below
-    Module = _experiment_module_class()
     history: dict[str, list[Optional[float]]] = {name: [] for name in METRICS}
 
     class Collect(L.Callback):
@@ -150,10 +121,7 @@ def run_one(regime: str, model_key: str, method: str, seed: int, setup: dict, wo
 
     G = setup["group_size"]
     responses = setup["prompts_per_rollout"] * G
-    extra = {}
-    if "export_on_fit_end" in inspect.signature(Module.__init__).parameters:
-        extra["export_on_fit_end"] = False  # no checkpoint export: only the metrics matter here
-    module = Module(
+    module = GSPOModule(
         model_name_or_path=MODELS[model_key],
         rewards=[RewardSpec(function=setup["reward"])],
         num_return_sequences_in_group=G,
@@ -163,24 +131,22 @@ def run_one(regime: str, model_key: str, method: str, seed: int, setup: dict, wo
         use_kl_loss=True, kl_loss_coef=0.0,  # a reference for the KL metric; the objective is unchanged
         optimizer=lambda params: torch.optim.AdamW(params, lr=setup["lr"], weight_decay=0.0),
         **METHODS[method],
-        **extra,
+        metric_hooks=[clip_frac_tokens],
+        export_on_fit_end=False,  # only the metrics matter here
     )
-    data = PromptDataModule(path=f"builtin:{setup['task']}", rollout_batch_size=setup["prompts_per_rollout"],
+    data = PromptDataModule(path=f"builtin:{setup['task']}", tokenizer=MODELS[model_key], rollout_batch_size=setup["prompts_per_rollout"],
                             prompt_length=8, val_size=8, seed=seed)
     L.seed_everything(seed, verbose=False)  # the same initial weights and prompts for every method
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=setup["rollout_steps"] * setup["mini_batches"], logger=False,
+        accelerator="cpu", devices=1, max_steps=setup["rollout_steps"], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
         default_root_dir=os.path.join(work_dir, f"{regime}-{model_key}-{method}-{seed}"), callbacks=[Collect()],
     )
     start = time.perf_counter()
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the built-in plotter's print
-            warnings.simplefilter("ignore")
-            trainer.fit(module, datamodule=data)
-    finally:
-        gm.policy_loss = saved_policy_loss
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the built-in plotter's print
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=data)
     return {"regime": regime, "model": model_key, "method": method, "seed": seed,
             "seconds": time.perf_counter() - start, "optimizer_steps": module.policy_version, "history": history}
 
