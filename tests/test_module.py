@@ -272,3 +272,21 @@ def test_resuming_past_max_steps_says_so_instead_of_only_exporting(tmp_path):
     with pytest.raises(ValueError, match="already at step 2 and trainer.max_steps=2.*above 2"):
         fit(again, tmp_path / "again", max_steps=2, ckpt_path=str(tmp_path / "last.ckpt"))
     assert not (tmp_path / "again" / "hf_model").exists()
+
+
+def reward_failing_on_long_completions(prompts, completions, **columns):
+    if any(len(c) > 3 for c in completions):
+        raise ValueError("cannot grade long answers")
+    return [1.0] * len(completions)
+
+
+def test_zeroed_reward_errors_are_counted_and_shown_on_the_console(tmp_path):
+    reward = [RewardSpec(function="tests.test_module.reward_failing_on_long_completions")]
+    module = make_module(rewards=reward, on_reward_error="zero", num_mini_batches=1, old_logprobs="engine")
+    L.seed_everything(0, verbose=False)
+    data = PromptDataModule(path="builtin:echo", tokenizer="builtin:tiny-echo", rollout_batch_size=4, prompt_length=8, val_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"step 1: 16 response\(s\) scored 0 because a reward function failed"):
+        trainer.fit(module, datamodule=data)
+    assert float(trainer.callback_metrics["reward/errors"]) == 16

@@ -111,3 +111,31 @@ def test_signal_writes_a_checkpoint_exits_cleanly_and_resumes(tmp_path, sig):
 
     main(["fit", "--config", str(write_config(folder, step + 2, response_length=12)), "--ckpt_path", str(ckpt)])
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["gspo"]["policy_version"] == stopped_at + 4
+
+
+CALLS = {"n": 0}
+
+
+def reward_that_fails_on_the_third_call(prompts, completions, **columns):
+    CALLS["n"] += 1
+    if CALLS["n"] == 3:
+        raise RuntimeError("the grader is down")
+    return [float(len(c) > 0) for c in completions]
+
+
+def test_a_failing_reward_function_stops_the_run_with_a_checkpoint_of_the_work_so_far(tmp_path):
+    from gspo_lightning.rewards import RewardSpec
+    from gspo_lightning.rewards.base import RewardError
+    from tests.test_module import fit, make_module
+
+    CALLS["n"] = 0
+    reward = [RewardSpec(function="tests.test_resume.reward_that_fails_on_the_third_call")]
+    module = make_module(rewards=reward, num_mini_batches=2)
+    with pytest.raises(RewardError, match="the grader is down"):
+        fit(module, tmp_path, max_steps=5)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 2 and saved["gspo"]["policy_version"] == 4  # the two steps before the failure
+    # fixed (the counter moved on): the run resumes from there and finishes
+    again = make_module(rewards=reward, num_mini_batches=2)
+    fit(again, tmp_path / "resumed", max_steps=3, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert again.policy_version == 6
