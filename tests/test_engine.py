@@ -95,10 +95,21 @@ def test_filtered_logprobs_are_those_of_the_renormalized_kept_set_by_hand(tiny_e
             assert abs(float(gen.logprobs[row, step]) - expected) < 1e-5
 
 
-def test_generation_batch_size_does_not_change_samples_shape(tiny_gsm8k):
-    chunked, tok = make_engine(tiny_gsm8k, generation_batch_size=5)
-    gen = chunked.generate(prompts(tok), 4, SamplingParams(max_new_tokens=6), seed=0)
-    assert gen.completion_ids.shape[0] == 12 and gen.lengths.shape == (12,)
+def test_generation_batch_size_is_only_a_memory_knob(tiny_gsm8k):
+    # chunks of 5 responses hold one whole group of 4: greedy results, row order (response j
+    # answers prompt j // n) and log-probs equal those of one batch
+    whole, tok = make_engine(tiny_gsm8k)
+    chunked, _ = make_engine(tiny_gsm8k, generation_batch_size=5)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    a = whole.generate(prompts(tok), 4, greedy, seed=0)
+    b = chunked.generate(prompts(tok), 4, greedy, seed=0)
+    assert b.completion_ids.shape[0] == 12
+    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.truncated, b.truncated)
+    width = int(a.lengths.max())
+    assert torch.equal(a.completion_ids[:, :width], b.completion_ids[:, :width])
+    torch.testing.assert_close(a.logprobs[:, :width], b.logprobs[:, :width], atol=1e-5, rtol=1e-5)
+    # different prompts give different greedy answers here, so a row-order mix-up would show
+    assert not torch.equal(a.completion_ids[0], a.completion_ids[4])
 
 
 def test_greedy_is_deterministic_and_picks_argmax(tiny_gsm8k):
