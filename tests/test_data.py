@@ -200,3 +200,10 @@ def test_resume_position_counts_only_batches_that_training_steps_used(dm_factory
     resumed = dm_factory(path="builtin:echo", val_size=0)
     resumed.load_state_dict(dm.state_dict())
     assert resumed.start_batch == 3
+
+
+@pytest.mark.parametrize("val_size", [None, 0])
+def test_no_val_size_means_no_validation_for_generated_tasks_too(val_size):
+    dm = PromptDataModule(path="builtin:echo", tokenizer="builtin:tiny-echo", val_size=val_size)
+    dm.setup("fit")
+    assert dm.val_rows == [] and dm.val_dataloader() == []
