@@ -94,7 +94,7 @@ def test_engine_knobs_are_checked_at_construction():
 def test_sampling_kwargs_and_seeds():
     kw = sampling_kwargs(SamplingParams(12, temperature=0.8, top_p=0.9, top_k=5), 4, [1, 7], seed=11)
     assert kw == dict(n=4, temperature=0.8, top_p=0.9, top_k=5, max_tokens=12, logprobs=0,
-                      stop_token_ids=[1, 7], seed=11, detokenize=False)
+                      stop_token_ids=[1, 7], ignore_eos=True, seed=11, detokenize=False)
     assert request_seeds(100, 3, 4) == [100, 104, 108]  # vLLM seeds sample j with seed + j: all distinct
     assert all(0 <= s < 2**62 for s in request_seeds(2**63 - 2, 5, 8))
 

