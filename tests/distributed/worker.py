@@ -77,7 +77,7 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     L.seed_everything(0, verbose=False)
-    settings = dict(model_name_or_path="builtin:tiny-echo", micro_batch_size=3, **CASES[case])
+    settings = {"model_name_or_path": "builtin:tiny-echo", "micro_batch_size": 3, **CASES[case]}
     module = GSPOModule(
         rewards=[RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")], engine=DeterministicEngine(),
         num_return_sequences_in_group=4, response_length=5, max_grad_norm=None, num_mini_batches=1,
