@@ -142,7 +142,7 @@ class PromptDataModule(L.LightningDataModule):
         path: training prompts: ``.jsonl`` / ``.json`` / ``.parquet`` file, a saved
             ``datasets`` folder, a file shipped with the package (``builtin:gsm8k``,
             ``builtin:gsm8k-heldout``) or a synthetic task (``builtin:echo``,
-            ``builtin:count``, ``builtin:alternate``). Relative paths start at the working
+            ``builtin:successor``, ``builtin:alternate``). Relative paths start at the working
             directory.
         val_path: held-out prompts for validation (same formats). ``None``: for a synthetic
             task, ``val_size`` fresh rows drawn with another seed; for a file, its last
@@ -157,7 +157,7 @@ class PromptDataModule(L.LightningDataModule):
         messages_field: a column of chat messages (``[{role, content}, ...]``); when set it
             is rendered with the tokenizer's chat template instead of ``prompt_field``.
         prompt_template: optional Python format string over the row's columns, e.g.
-            ``"Question: {question}\nAnswer:"``; applied before the chat template.
+            ``"Question: {question}\\nAnswer:"``; applied before the chat template.
         use_chat_template: wrap the prompt as one user message with the chat template.
         system_prompt: a system message placed before the user message (chat template only).
         rollout_batch_size: prompts per training step over all ranks (ROLL's key).
@@ -288,8 +288,8 @@ class PromptDataModule(L.LightningDataModule):
         rows, skipped = read_rows(hp.path, bad_rows=hp.bad_rows, seed=hp.seed)
         if hp.val_path is not None:
             val_rows, _ = read_rows(hp.val_path, bad_rows=hp.bad_rows, seed=hp.seed + 1)
-        elif is_generated(hp.path):
-            val_rows, _ = read_rows(hp.path, num_builtin_rows=hp.val_size or 64, seed=hp.seed + 7919)
+        elif is_generated(hp.path) and hp.val_size:
+            val_rows, _ = read_rows(hp.path, num_builtin_rows=hp.val_size, seed=hp.seed + 7919)
         elif hp.val_size:
             # no held-out file: hold out the last val_size rows, never trained on
             if hp.val_size >= len(rows):

@@ -67,8 +67,7 @@ class TrainingCurves(L.Callback):
                 self.history.setdefault(key, []).append((trainer.global_step, float(value)))
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
+        # a sanity check (num_sanity_val_steps) is the untrained model: step 0
         for key, value in trainer.callback_metrics.items():
             if key.startswith("val/"):
                 self.history.setdefault(key, []).append((trainer.global_step, float(value)))

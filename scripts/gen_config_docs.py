@@ -27,6 +27,68 @@ Keys that carry the same name as in ROLL's GSPO configs keep ROLL's meaning:
 `prompt_length`, `response_length`, `ppo_epochs`, `use_kl_loss`, `kl_loss_coef`,
 `loss_agg_mode`, `whiten_advantages`, `advantage_clip`, `dual_clip_loss`, `reward_clip`,
 `reward_norm`, `reward_shift`, `reward_scale`, `add_token_level_kl`.
+
+Three keys are set from another one, so a value is stated once: `data.tokenizer` is
+`model.model_name_or_path`, and `model.prompt_length` / `model.rollout_batch_size` are
+`data.prompt_length` / `data.rollout_batch_size` (set those; the linked keys are not accepted).
+
+A mistake in a config (a bad value, a missing model folder or data file, a failing reward
+function) prints `gspo: error: <what is wrong and how to fix it>` and exits with status 2;
+`--debug` (or `GSPO_DEBUG=1`) shows the traceback as well.
+"""
+
+REWARDS = """## Reward functions
+
+`model.rewards` lists the reward functions; each entry has `function` (an import path),
+`weight` (default 1), `kwargs` (bound to the function), `name` (its metric name, default
+the function's name) and `factory` (`true`: `function(**kwargs)` returns the reward
+function, as TRL's `get_soft_overlong_punishment` does). Scores are combined as the weighted
+sum. Functions are called as TRL's `GRPOTrainer` calls them, so TRL's own
+`trl.rewards.accuracy_reward` or `think_format_reward` run unchanged:
+
+- every argument by keyword: `prompts`, `completions`, `completion_ids` (token ids of each
+  completion), and every other column of the dataset row (e.g. `answer`), one entry per
+  completion, plus `completion_lengths`; accept `**kwargs` for the columns you do not use;
+- for a conversational dataset (a prompt column of chat messages, or `data.messages_field`)
+  `prompts` holds the message lists and each completion is `[{"role": "assistant", "content": text}]`;
+  otherwise both are plain strings;
+- return one score per completion; `None` means "no score for this sample": the weighted sum
+  skips it, and a sample that no function scored gets advantage 0;
+- `async def` functions are awaited, all of them concurrently.
+
+A complete reward function, in `myrewards.py` in the directory you run `gspo` from (modules
+there import like the script's own modules in `python script.py`):
+
+```python
+import re
+
+def score(prompts, completions, answer, **kwargs):
+    \"\"\"1.0 when the number after '####' equals the answer column's, None when there is no answer.\"\"\"
+    scores = []
+    for completion, reference in zip(completions, answer):
+        if not reference:
+            scores.append(None)  # nothing to compare with: no score for this sample
+            continue
+        found = re.search(r"####\\s*(-?[\\d,.]+)", completion)
+        predicted = found.group(1).replace(",", "").rstrip(".") if found else None
+        expected = reference.split("####")[-1].strip().replace(",", "")
+        scores.append(1.0 if predicted == expected else 0.0)
+    return scores
+```
+
+```yaml
+model:
+  rewards:
+    - function: myrewards.score
+    - function: gspo_lightning.rewards.format_reward
+      weight: 0.1
+      kwargs: {pattern: "(?s).*#### *-?[0-9][0-9,]*\\\\s*"}
+```
+
+A function that raises, returns the wrong number of scores, or a NaN stops the run with a
+message naming it and the sample (`model.on_reward_error: zero` scores such samples 0 and
+counts them instead). Built-ins: `gspo_lightning.rewards.math_accuracy`, `exact_match`,
+`format_reward`, `length_penalty`.
 """
 
 
@@ -101,7 +163,8 @@ def render() -> str:
               "## `checkpoint:` (lightning.pytorch.callbacks.ModelCheckpoint)", "",
               "Every `ModelCheckpoint` argument is a key. `gspo` sets `save_last: true`, `every_n_train_steps: 50`",
               "(optimizer steps; pick a multiple of the optimizer steps per rollout batch) and `save_top_k: 0`.",
-              "SIGTERM and Ctrl-C also write `last.ckpt` at the next step boundary (see reliability.md).", ""]
+              "SIGTERM and Ctrl-C also write `last.ckpt` at the next step boundary (see reliability.md).",
+              "`--trainer.enable_checkpointing=false` turns this section off: no checkpoints.", "", REWARDS]
     return "\n".join(parts)
 
 

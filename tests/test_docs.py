@@ -29,3 +29,23 @@ def test_docs_link_targets_exist():
 
     for target in re.findall(r"\]\((docs/[^)]+)\)", readme):
         assert (ROOT / target).exists(), target
+
+
+def test_reward_example_in_the_config_reference_runs(tmp_path, monkeypatch):
+    import re
+
+    import yaml
+
+    from gspo_lightning.rewards import RewardComposer
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Reward functions"):], re.S).group(1)
+    config = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text[text.index("## Reward functions"):], re.S).group(1))
+    (tmp_path / "myrewards.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    composer = RewardComposer(config["model"]["rewards"])
+    total, parts, scored = composer(
+        prompts=["q"] * 3, completions=["so #### 1,080", "#### 5", "no answer"], completion_ids=[[1], [2], [3]],
+        columns={"answer": ["a\n#### 1080", "#### 6", ""]})
+    assert parts["score"][:2] == [1.0, 0.0] and scored == [True, True, True]
+    assert total[0] == 1.1  # score 1.0 + 0.1 x format_reward 1.0

@@ -42,10 +42,13 @@ class TinyModelSpec:
 
 
 ECHO_WORDS = ("repeat", *[str(d) for d in range(10)])
+SUCCESSOR_WORDS = ("next", *[str(d) for d in range(10)])
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
-    # the quickstart: a 2-layer model over a 14-token vocabulary
+    # a 2-layer model over a 14-token vocabulary (the echo task: tests, experiments)
     "tiny-echo": TinyModelSpec(words=ECHO_WORDS),
+    # the quickstart: the same for the successor task
+    "tiny-successor": TinyModelSpec(words=SUCCESSOR_WORDS),
     # the same with 2 heads of 32 dims: vLLM's CPU attention has no kernel for tiny-echo's 16
     "tiny-echo-h32": TinyModelSpec(words=ECHO_WORDS, num_attention_heads=2, num_key_value_heads=1),
     # the same with 8 small experts, for Mixture-of-Experts experiments
