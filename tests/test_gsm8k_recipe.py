@@ -18,7 +18,6 @@ GSM8K = ROOT / "gspo_lightning" / "datasets" / "gsm8k" / "train.jsonl"
 @pytest.mark.slow
 def test_cpu_smoke_config_runs_from_any_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the repository: the config must not depend on where it runs
-    monkeypatch.delenv("GSPO_SHARED_DATA", raising=False)
     main(["fit", "--config", str(ROOT / "configs" / "gsm8k_cpu_smoke.yaml"), "--trainer.max_steps=4",
           "--trainer.val_check_interval=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
           "--trainer.enable_model_summary=false"])
