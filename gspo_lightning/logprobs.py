@@ -3,7 +3,9 @@
 Tokens are scored under the distribution the engine sampled from: temperature-scaled,
 top-k / top-p filtered and renormalized (``sampling.py``).
 
-The decoder runs once; only the response positions go through the output head. When their
+The decoder runs over each distinct prompt once (rows of a group share it, as in the
+engine's prefill) and over every response; only the response positions go through the
+output head. When their
 float32 logits are small (``max_unchunked_bytes``) they are projected at once and autograd
 keeps them. When they are large (a 32k+ vocabulary: the largest tensors of a step, several
 times over in backward) the head runs ``chunk_size`` tokens at a time under activation
@@ -70,6 +72,60 @@ def supports_chunked(model: nn.Module) -> bool:
     return True
 
 
+def response_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor:
+    """The decoder's last hidden states ``(N, R, H)`` at the positions that predict the ``R``
+    response tokens (the last prompt position and every response position but the last).
+
+    Rows of a group share their prompt: the prompt then runs through the decoder once per
+    distinct prompt and its keys and values are shared by the group's rows (as the engine's
+    prefill does), so backward also runs once per prompt. Gradients are the same as with
+    one forward per row; at ``G = 8`` samples of 48-token prompts with 16-token responses
+    that is 2.9x fewer decoder tokens."""
+    decoder = model.get_decoder()
+    shared = _shared_prompts(model, input_ids, attention_mask, prompt_width)
+    if shared is not None:
+        prompt_ids, prompt_mask, inverse = shared
+        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                      use_cache=True)
+        cache = out.past_key_values
+        if cache is not None and not any(getattr(cache, "is_sliding", None) or []):
+            first = out.last_hidden_state[inverse, -1:]  # the last prompt position predicts response token 0
+            if input_ids.shape[1] == prompt_width + 1:
+                return first
+            cache.batch_select_indices(inverse)  # differentiable indexing: gradients reach the prompt pass
+            rest = decoder(input_ids=input_ids[:, prompt_width:-1], attention_mask=attention_mask[:, :-1],
+                           position_ids=position_ids_from_mask(attention_mask)[:, prompt_width:-1],
+                           past_key_values=cache, use_cache=True).last_hidden_state
+            return torch.cat([first, rest], dim=1)
+    # every position, also the last (Mixture-of-Experts routing records cover whole rows)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    return hidden[:, prompt_width - 1:-1]  # position t predicts token t + 1
+
+
+def _shared_prompts(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int):
+    """``(prompt_ids, prompt_mask, inverse)`` of the distinct prompts when some rows share one
+    (``input_ids[i, :P] == prompt_ids[inverse[i]]``), else ``None``. Not for models whose
+    forward must see every row (gradient checkpointing drops the cache; Mixture-of-Experts
+    routing is recorded per row)."""
+    config = getattr(model, "config", None)
+    if config is None or _activation_checkpointing(model):
+        return None
+    if getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
+        return None
+    key = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width].to(input_ids.dtype)], dim=1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if unique.shape[0] == key.shape[0]:
+        return None
+    return unique[:, :prompt_width], unique[:, prompt_width:].to(attention_mask.dtype), inverse
+
+
+def _activation_checkpointing(model: nn.Module) -> bool:
+    if hasattr(type(model), "is_activation_checkpointing"):  # transformers >= 5 (the older name warns)
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
 def response_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -89,20 +145,17 @@ def response_logprobs(
     logits exceed ``max_unchunked_bytes``; ``None`` (or a model with logit post-processing)
     takes the plain path through ``model.forward``.
     """
-    position_ids = position_ids_from_mask(attention_mask)
     targets = input_ids[:, prompt_width:]
     if chunk_size is None or not supports_chunked(model):
+        position_ids = position_ids_from_mask(attention_mask)
         # logits_to_keep: only the positions that predict response tokens (and the last one)
         width = input_ids.shape[1] - prompt_width + 1
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False, logits_to_keep=width).logits[:, :-1]
         return token_logprobs(logits, targets, temperature, top_k, top_p)
 
-    decoder = model.get_decoder()
     head = model.get_output_embeddings()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False).last_hidden_state
-    hidden = hidden[:, prompt_width - 1:-1]  # position t predicts token t + 1
+    hidden = response_hidden_states(model, input_ids, attention_mask, prompt_width)
     rows, length, dim = hidden.shape
     flat_hidden = hidden.reshape(rows * length, dim)
     flat_targets = targets.reshape(rows * length)

@@ -193,3 +193,49 @@ def test_samples_the_policy_itself_so_weights_are_never_pushed(tiny_echo):
 def test_generation_batch_size_must_be_positive():
     with pytest.raises(ValueError, match="generation_batch_size"):
         HFEngine(generation_batch_size=0)
+
+
+def _tiny_lm(model_type, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_kv_decoder_reproduces_the_model_forward(model_type):
+    """Decode steps over the preallocated cache give the logits of a full forward over
+    [left-padded prompt | fed tokens], for every row (repeated prompts, GQA, left padding)."""
+    from gspo_lightning.rollout import kv_decode
+
+    model = _tiny_lm(model_type)
+    assert kv_decode.supports(model)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
+    ids, mask = left_pad(prompts, 0, "cpu")
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    repeat, feeds = 2, 5
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        decoder = kv_decode.KVDecoder(model, out.past_key_values, mask, repeat, feeds)
+        fed = torch.randint(3, 50, (len(prompts) * repeat, feeds), generator=torch.Generator().manual_seed(0))
+        full_ids = torch.cat([ids.repeat_interleave(repeat, 0), fed], 1)
+        full_mask = torch.cat([mask.repeat_interleave(repeat, 0), torch.ones_like(fed)], 1)
+        full_positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        for step in range(feeds):
+            logits = decoder.step(fed[:, step])
+            width = ids.shape[1] + step + 1
+            expected = model(input_ids=full_ids[:, :width], attention_mask=full_mask[:, :width],
+                             position_ids=full_positions[:, :width]).logits[:, -1]
+            torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+        with pytest.raises(RuntimeError, match="more tokens"):
+            decoder.step(fed[:, 0])
+
+
+def test_kv_decoder_declines_models_it_does_not_reproduce():
+    from gspo_lightning.rollout import kv_decode
+
+    assert not kv_decode.supports(_tiny_lm("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0))
+    assert not kv_decode.supports(_tiny_lm("gpt2"))

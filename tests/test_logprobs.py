@@ -9,23 +9,27 @@ import torch
 from gspo_lightning.logprobs import response_logprobs, supports_chunked, token_logprobs
 
 
-def batch(tok, vocab, rows=4, prompt=5, response=7, seed=0):
+def batch(tok, vocab, rows=4, prompt=5, response=7, seed=0, group=1):
+    """``rows`` responses; with ``group > 1`` consecutive rows share their prompt, as a rollout's do."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, prompt + response), generator=g)
     attn = torch.ones_like(ids)
-    attn[0, :2] = 0  # left padding of a shorter prompt
+    ids[:, :prompt] = ids[::group, :prompt].repeat_interleave(group, 0)
+    attn[:group, :2] = 0  # left padding of a shorter prompt
     attn[1, prompt + 4:] = 0  # a shorter response
     return ids, attn, prompt
 
 
 @pytest.mark.parametrize("chunk_size,max_unchunked_bytes", [(1, 0), (5, 0), (1024, 0), (5, 2**30)])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (0.8, 30, 0.9)])
-def test_chunked_equals_naive_values_and_gradients(tiny_gsm8k, chunk_size, max_unchunked_bytes, temperature, top_k, top_p):
-    """Chunked and checkpointed (budget 0), or in one piece (large budget): the same values
-    and gradients as the plain ``model.forward`` path."""
+@pytest.mark.parametrize("group", [1, 3])
+def test_chunked_equals_naive_values_and_gradients(tiny_gsm8k, chunk_size, max_unchunked_bytes, temperature, top_k, top_p, group):
+    """Chunked and checkpointed (budget 0), or in one piece (large budget), with prompts
+    shared by groups of rows (one prompt pass per group) or not: the same values and
+    gradients as the plain ``model.forward`` path over every row."""
     model, tok = tiny_gsm8k
     assert supports_chunked(model)
-    ids, attn, prompt = batch(tok, len(tok))
+    ids, attn, prompt = batch(tok, len(tok), rows=6, group=group)
     weights = torch.randn(ids.shape[0], ids.shape[1] - prompt, generator=torch.Generator().manual_seed(1))
 
     def run(chunk):
@@ -42,6 +46,20 @@ def test_chunked_equals_naive_values_and_gradients(tiny_gsm8k, chunk_size, max_u
     assert naive_grads.keys() == grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], naive_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prompts_run_the_decoder_once_per_prompt(tiny_gsm8k):
+    """Six rows in two groups: the prompt pass sees 2 rows, the response pass 6."""
+    model, tok = tiny_gsm8k
+    ids, attn, prompt = batch(tok, len(tok), rows=6, group=3)
+    seen = []
+    hook = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)),
+                                                         with_kwargs=True)
+    try:
+        response_logprobs(model, ids, attn, prompt)
+    finally:
+        hook.remove()
+    assert seen == [(2, prompt), (6, ids.shape[1] - prompt - 1)]
 
 
 def test_logprobs_are_log_softmax_of_the_logits_by_hand(tiny_echo):

@@ -3,7 +3,9 @@
 It shares the training model's weights (no copy, so there is nothing to push after an
 update) and runs on whatever device the policy is on. The loop is written out instead of
 calling ``model.generate`` because we need the log-prob of every sampled token and
-``generate`` would keep a full-vocabulary score tensor per step to give it.
+``generate`` would keep a full-vocabulary score tensor per step to give it. Llama-family
+models decode over a preallocated KV cache (``kv_decode.py``); others through their own
+forward and ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gspo_lightning.rollout import kv_decode
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.sampling import filter_logits
 
@@ -82,37 +85,35 @@ class HFEngine(RolloutEngine):
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            if n > 1:
-                cache.batch_repeat_interleave(n)
             logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
-            attention_mask = attention_mask.repeat_interleave(n, dim=0)
-            position_ids = position_ids.repeat_interleave(n, dim=0)
+            feeds = params.max_new_tokens - 1  # no forward after the last token
+            if kv_decode.supports(model):
+                decoder = kv_decode.KVDecoder(model, out.past_key_values, attention_mask, n, feeds)
+            else:
+                decoder = _CacheDecoder(model, out.past_key_values, attention_mask, position_ids, n)
+            rows = logits.shape[0]
             eos = torch.tensor(self.eos_token_ids, device=device)
-            finished = torch.zeros(attention_mask.shape[0], dtype=torch.bool, device=device)
-            tokens, logprobs = [], []
+            completion_ids = torch.full((rows, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+            token_logprobs = torch.zeros((rows, params.max_new_tokens), dtype=torch.float32, device=device)
+            finished = torch.zeros(rows, dtype=torch.bool, device=device)
+            pad = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=device)
+            width = 0
             for step in range(params.max_new_tokens):
                 token, token_logprob = _sample_step(logits, params, generator)
-                token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
-                token_logprob = torch.where(finished, torch.zeros_like(token_logprob), token_logprob)
-                tokens.append(token)
-                logprobs.append(token_logprob)
-                finished = finished | torch.isin(token, eos)
-                if step == params.max_new_tokens - 1:
-                    break  # no forward after the last token
+                token = torch.where(finished, pad, token)
+                completion_ids[:, step] = token
+                token_logprobs[:, step] = token_logprob.masked_fill_(finished, 0.0)
+                width = step + 1
+                finished |= torch.isin(token, eos)
+                if step == feeds:
+                    break
                 done = bool(finished.all())
                 if self.all_finished is not None:
                     done = self.all_finished(done)
                 if done:
                     break
-                attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
-                position_ids = position_ids[:, -1:] + 1
-                out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
-                logits = out.logits[:, -1, :].float()
-            completion_ids = torch.stack(tokens, dim=1)
-            token_logprobs = torch.stack(logprobs, dim=1)
+                logits = decoder.step(token)
+            completion_ids, token_logprobs = completion_ids[:, :width], token_logprobs[:, :width]
             is_eos = torch.isin(completion_ids, eos)
             has_eos = is_eos.any(-1)
             first_eos = is_eos.float().argmax(-1)
@@ -120,6 +121,25 @@ class HFEngine(RolloutEngine):
             return Generation(completion_ids, token_logprobs, lengths, truncated=~has_eos)
         finally:
             model.train(was_training)
+
+
+class _CacheDecoder:
+    """Decode steps through the model's own forward and ``DynamicCache`` (any causal LM)."""
+
+    def __init__(self, model: nn.Module, cache, attention_mask: Tensor, position_ids: Tensor, repeat: int):
+        if repeat > 1:
+            cache.batch_repeat_interleave(repeat)
+        self.model, self.cache = model, cache
+        self.attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
+        self.position_ids = position_ids[:, -1:].repeat_interleave(repeat, dim=0)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], dim=-1)
+        self.position_ids = self.position_ids + 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attention_mask, position_ids=self.position_ids,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :].float()
 
 
 def _sample_step(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[Tensor, Tensor]:
