@@ -102,6 +102,25 @@ class GSPOCLI(LightningCLI):
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+def continue_log_versions(loggers, ckpt_path: str) -> None:
+    """Point the configured loggers at the version folders the checkpoint's run wrote to, so a
+    resumed run continues its metrics.csv, TensorBoard events and curves (unless a version is set)."""
+    import torch
+
+    if not loggers or not Path(ckpt_path).is_file():
+        return  # Lightning reports a missing checkpoint itself
+    # mmap: reads only the small "gspo" entry of what may be a large file
+    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("gspo", {}).get("loggers", [])
+    for entry in loggers if isinstance(loggers, list) else [loggers]:
+        args = getattr(entry, "init_args", None)
+        if args is None or args.get("version") is not None:
+            continue
+        for identity in saved:
+            same_place = Path(str(args.get("save_dir", ""))).resolve() == Path(identity["save_dir"]).resolve()
+            if identity["class"] == entry.class_path and same_place and args.get("name") == identity["name"]:
+                args["version"] = identity["version"]
+
+
 # Warnings that say nothing actionable for a GSPO run.
 QUIET = [
     ".*Using ModelCheckpoint with manual optimization.*",  # GSPO steps the optimizer itself, by design

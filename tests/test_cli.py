@@ -132,6 +132,19 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
         main(["fit"])
 
 
+def test_non_finite_stop_is_an_expected_error(monkeypatch, capsys):
+    import gspo_lightning.cli as cli
+    from gspo_lightning.errors import NonFiniteError
+
+    def diverged(*args, **kwargs):
+        raise NonFiniteError("3 updates in a row had a non-finite loss or gradient. Lower the learning rate")
+
+    monkeypatch.setattr(cli, "GSPOCLI", diverged)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit"])
+    assert exit_info.value.code == 2 and "gspo: error: 3 updates in a row" in capsys.readouterr().err
+
+
 def test_missing_model_folder_is_a_short_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(write_config(tmp_path)), f"--model.model_name_or_path={tmp_path / 'no_model'}"])
