@@ -40,8 +40,7 @@ class GSPOCLI(LightningCLI):
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
 
     def add_arguments_to_parser(self, parser) -> None:
-        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-        from jsonargparse import lazy_instance
+        from jsonargparse import Namespace
 
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({
@@ -50,8 +49,9 @@ class GSPOCLI(LightningCLI):
             "checkpoint.save_top_k": 0,
             "trainer.logger": [
                 # separate names: two loggers under one name pick different version folders
-                lazy_instance(CSVLogger, save_dir="runs", name="csv"),
-                lazy_instance(TensorBoardLogger, save_dir="runs", name="tensorboard"),
+                Namespace(class_path="gspo_lightning.loggers.CSVLogger", init_args=Namespace(save_dir="runs", name="csv")),
+                Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                          init_args=Namespace(save_dir="runs", name="tensorboard")),
             ],
         })
         # one value, stated once: the data module tokenizes with the model's tokenizer, and
@@ -59,6 +59,10 @@ class GSPOCLI(LightningCLI):
         parser.link_arguments("model.model_name_or_path", "data.tokenizer")
         parser.link_arguments("data.prompt_length", "model.prompt_length")
         parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
+            continue_log_versions(self.config.fit.trainer.logger, self.config.fit.ckpt_path)
 
     def instantiate_trainer(self, **kwargs):
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
@@ -111,13 +115,20 @@ def continue_log_versions(loggers, ckpt_path: str) -> None:
         return  # Lightning reports a missing checkpoint itself
     # mmap: reads only the small "gspo" entry of what may be a large file
     saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("gspo", {}).get("loggers", [])
+    import importlib
+
+    from jsonargparse import Namespace
+
     for entry in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(entry, "init_args", None)
-        if args is None or args.get("version") is not None:
+        if not isinstance(entry, Namespace) or args is None or args.get("version") is not None:
             continue
+        module, _, name = entry.class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)  # a re-exported class has another path
+        class_name = f"{cls.__module__}.{cls.__qualname__}"
         for identity in saved:
             same_place = Path(str(args.get("save_dir", ""))).resolve() == Path(identity["save_dir"]).resolve()
-            if identity["class"] == entry.class_path and same_place and args.get("name") == identity["name"]:
+            if identity["class"] == class_name and same_place and args.get("name") == identity["name"]:
                 args["version"] = identity["version"]
 
 
@@ -130,12 +141,13 @@ QUIET = [
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix (config values, files, reward functions): they
-    print as one message. Anything else keeps its traceback."""
+    """Errors that are the user's to fix (config values, files, reward functions, a learning
+    rate that blows up): they print as one message. Anything else keeps its traceback."""
     from gspo_lightning.data import DataError
+    from gspo_lightning.errors import NonFiniteError
     from gspo_lightning.rewards.base import RewardError
 
-    return (ValueError, DataError, RewardError, FileNotFoundError)
+    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError)
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -60,7 +60,9 @@ def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     m.update("reward/mean", rewards.mean(), rewards.numel())
     m.update("reward/sq_mean", rewards.square().mean(), rewards.numel())
     for name, values in rollout.reward_components.items():
-        m.update(f"reward/{name}", values.mean(), values.numel())
+        scored = ~values.isnan()  # a function may return None (no score) for some samples
+        if scored.any():
+            m.update(f"reward/{name}", values[scored].mean(), scored.sum())
     grouped = rewards.view(-1, rollout.group_size)
     zero_std = (grouped.max(-1).values == grouped.min(-1).values).float()
     m.update("reward/zero_std_groups", zero_std.mean(), zero_std.numel())

@@ -32,6 +32,7 @@ from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
 from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.evaluation import record_eval_rollout
+from gspo_lightning.loggers import logger_identity
 from gspo_lightning.logprobs import response_logprobs
 from gspo_lightning.metrics import StepMetrics, record_rollout
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
@@ -521,6 +522,8 @@ class GSPOModule(L.LightningModule):
             "policy_version": self.policy_version,
             "rollout_steps": self.rollout_steps,
             "running_rewards": self.running_rewards.state_dict(),
+            # where the run logs, so that `gspo fit --ckpt_path` continues the same version folders
+            "loggers": [identity for identity in map(logger_identity, self.trainer.loggers) if identity],
             **(self.updater.state_dict() if self.updater is not None else self._updater_state),
         }
 

@@ -72,6 +72,13 @@ class TrainingCurves(L.Callback):
             if key.startswith("val/"):
                 self.history.setdefault(key, []).append((trainer.global_step, float(value)))
 
+    # saved in checkpoints, so the curves of a resumed run cover the whole run
+    def state_dict(self) -> dict:
+        return {"history": {key: [list(point) for point in points] for key, points in self.history.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = {key: [tuple(point) for point in points] for key, points in state_dict.get("history", {}).items()}
+
     def _write(self, trainer) -> None:
         folder = Path(trainer.log_dir or trainer.default_root_dir)  # a collective call: every rank
         if not trainer.is_global_zero or not self.history:

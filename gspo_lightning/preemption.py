@@ -65,12 +65,16 @@ class PreemptionCheckpoint(L.Callback):
         stop = trainer.strategy.reduce_boolean_decision(self.interrupted or trainer.received_sigterm, all=False)
         if not stop:
             return
-        path = checkpoint_dir(trainer) / "last.ckpt"
-        trainer.save_checkpoint(path)
-        self.saved = path
         reason = "SIGTERM" if trainer.received_sigterm else "interrupted"
-        if trainer.is_global_zero:
-            print(f"{reason}: checkpoint written to {path} at step {trainer.global_step}; resume with --ckpt_path {path}", flush=True)
+        path = checkpoint_dir(trainer) / "last.ckpt"
+        if trainer.checkpoint_callback is None:  # enable_checkpointing=false: the user asked for none
+            if trainer.is_global_zero:
+                print(f"{reason}: stopped at step {trainer.global_step}; checkpointing is off, nothing was saved", flush=True)
+        else:
+            trainer.save_checkpoint(path)
+            self.saved = path
+            if trainer.is_global_zero:
+                print(f"{reason}: checkpoint written to {path} at step {trainer.global_step}; resume with --ckpt_path {path}", flush=True)
         self._restore_sigint()
         if not trainer.received_sigterm:  # Lightning raises SIGTERMException itself for SIGTERM
             raise Preempted(path, reason)
@@ -80,6 +84,8 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore_sigint()
+        if trainer.checkpoint_callback is None:  # enable_checkpointing=false: no checkpoints at all
+            return
         if isinstance(exception, NonFiniteError):
             path = checkpoint_dir(trainer) / "nonfinite.ckpt"
             trainer.save_checkpoint(path)

@@ -30,7 +30,8 @@ def fit(module, tmp_path, max_steps, rollout_batch_size=4, ckpt_path=None, **tra
     data = PromptDataModule(path="builtin:echo", tokenizer=module.hparams.model_name_or_path,
                             rollout_batch_size=rollout_batch_size, prompt_length=8, val_size=8)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+        enable_checkpointing=trainer_kwargs.pop("enable_checkpointing", False),
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path, **trainer_kwargs,
     )
@@ -211,7 +212,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path):
     module.configure_model()
     before = [p.detach().clone() for p in module.policy.parameters()]
     with pytest.raises(NonFiniteError, match="2 updates in a row"):
-        fit(module, tmp_path, max_steps=5)
+        fit(module, tmp_path, max_steps=5, enable_checkpointing=True)
     assert module.updater.skipped_updates == 2 and module.policy_version == 0
     assert (tmp_path / "checkpoints" / "nonfinite.ckpt").exists()  # kept for inspection
     assert all(torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
@@ -290,3 +291,10 @@ def test_zeroed_reward_errors_are_counted_and_shown_on_the_console(tmp_path):
     with pytest.warns(UserWarning, match=r"step 1: 16 response\(s\) scored 0 because a reward function failed"):
         trainer.fit(module, datamodule=data)
     assert float(trainer.callback_metrics["reward/errors"]) == 16
+
+
+def test_with_checkpointing_off_a_failed_run_writes_no_checkpoint(tmp_path):
+    module = make_module(PoisonedLoss, max_consecutive_nonfinite=1)
+    with pytest.raises(NonFiniteError):
+        fit(module, tmp_path, max_steps=2, enable_checkpointing=False)
+    assert not list(tmp_path.rglob("*.ckpt"))

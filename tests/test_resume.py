@@ -132,10 +132,34 @@ def test_a_failing_reward_function_stops_the_run_with_a_checkpoint_of_the_work_s
     reward = [RewardSpec(function="tests.test_resume.reward_that_fails_on_the_third_call")]
     module = make_module(rewards=reward, num_mini_batches=2)
     with pytest.raises(RewardError, match="the grader is down"):
-        fit(module, tmp_path, max_steps=5)
+        fit(module, tmp_path, max_steps=5, enable_checkpointing=True)
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == 2 and saved["gspo"]["policy_version"] == 4  # the two steps before the failure
     # fixed (the counter moved on): the run resumes from there and finishes
     again = make_module(rewards=reward, num_mini_batches=2)
     fit(again, tmp_path / "resumed", max_steps=3, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
     assert again.policy_version == 6
+
+
+def test_a_resumed_run_continues_its_log_folders_and_curves(tmp_path):
+    import json
+
+    def config(max_steps):
+        path = write_config(tmp_path, max_steps)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["trainer"]["logger"] = [
+            {"class_path": "gspo_lightning.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
+            {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(tmp_path), "name": "tb"}},
+        ]
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    main(["fit", "--config", str(config(3))])
+    main(["fit", "--config", str(config(5)), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
+    assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == ["version_0"]
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["version_0"]
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
+        steps = [int(float(row["step"])) for row in csv.DictReader(handle) if row.get("policy_version")]
+    assert steps == [0, 1, 2, 3, 4]  # the first run's rows kept, the resumed run's appended
+    history = json.loads((tmp_path / "csv" / "version_0" / "history.json").read_text())
+    assert [step for step, _ in history["reward/mean"]] == [1, 2, 3, 4, 5]

@@ -1,0 +1,61 @@
+"""A CSV logger whose version folder survives a resume.
+
+Lightning's ``CSVLogger`` deletes ``metrics.csv`` when it opens a version folder that
+already has one, so a run resumed into its own version would lose its history. This one
+keeps the earlier rows up to the step the run resumes from (rows logged after the
+checkpoint are replaced by the resumed run's) and appends. The ``gspo`` command points a
+resumed ``fit`` at the checkpoint's version folders (``cli.py``).
+"""
+
+from __future__ import annotations
+
+import csv
+from typing import Any, Optional
+
+from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+
+class _ContinuingWriter(ExperimentWriter):
+    def _check_log_dir_exists(self) -> None:
+        self._earlier: list[dict[str, Any]] = []
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as handle:
+                self._earlier = list(csv.DictReader(handle))
+
+    def save(self) -> None:
+        if self._earlier and self.metrics:
+            first_new = min(int(m["step"]) for m in self.metrics)
+            kept = [row for row in self._earlier if row.get("step") and int(float(row["step"])) < first_new]
+            keys = sorted(set().union(*(row.keys() for row in kept), *(m.keys() for m in self.metrics)))
+            self.metrics_keys = keys
+            with self._fs.open(self.metrics_file_path, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(kept)
+            self._earlier = []
+        super().save()
+
+
+class CSVLogger(LightningCSVLogger):
+    """``lightning.pytorch.loggers.CSVLogger`` that continues ``metrics.csv`` of an existing version."""
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def logger_identity(logger) -> Optional[dict[str, Any]]:
+    """Where a logger writes (``save_dir``, ``name``, ``version``), to resume into the same folder."""
+    version = getattr(logger, "version", None)
+    save_dir = getattr(logger, "save_dir", None) or getattr(logger, "root_dir", None)
+    if version is None or save_dir is None:
+        return None
+    return {"class": f"{type(logger).__module__}.{type(logger).__qualname__}", "save_dir": str(save_dir),
+            "name": getattr(logger, "name", None), "version": version}
+
+
+__all__ = ["CSVLogger", "logger_identity"]
