@@ -362,12 +362,13 @@ class GSPOModule(L.LightningModule):
 
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
         hp = self.hparams
-        filters = {} if hp.top_k == 0 and hp.top_p >= 1.0 else {"top_k": hp.top_k, "top_p": hp.top_p}
         return response_logprobs(
-            model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width, temperature=hp.temperature,
+            model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width,
+            # the distribution the engine sampled from: temperature, then the top-k / top-p filters
+            temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p,
             # the chunked path calls the decoder and head separately, bypassing the root's
             # FSDP2 all-gather of embeddings and head: sharded policies take the naive path
-            chunk_size=None if self.sharded else hp.logprob_chunk_size, **filters,
+            chunk_size=None if self.sharded else hp.logprob_chunk_size,
         )
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:

@@ -298,3 +298,11 @@ def test_with_checkpointing_off_a_failed_run_writes_no_checkpoint(tmp_path):
     with pytest.raises(NonFiniteError):
         fit(module, tmp_path, max_steps=2, enable_checkpointing=False)
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_with_top_k_and_top_p_the_trainer_scores_the_distribution_the_engine_sampled(tmp_path):
+    module = make_module(top_k=3, top_p=0.9, temperature=0.7, num_mini_batches=2)
+    trainer = fit(module, tmp_path, max_steps=1)
+    # measured on the first mini-batch, before any update: same weights, same filtered distribution
+    assert float(trainer.callback_metrics["engine/logprob_abs_diff"]) < 1e-5
+    assert float(trainer.callback_metrics["loss/clip_frac_first_minibatch"]) == 0.0
