@@ -5,12 +5,12 @@ top-k / top-p filtered and renormalized (``sampling.py``).
 
 The decoder runs over each distinct prompt once (rows of a group share it, as in the
 engine's prefill) and over every response; only the response positions go through the
-output head. When their
-float32 logits are small (``max_unchunked_bytes``) they are projected at once and autograd
-keeps them. When they are large (a 32k+ vocabulary: the largest tensors of a step, several
-times over in backward) the head runs ``chunk_size`` tokens at a time under activation
-checkpointing, so backward recomputes each chunk's logits instead of keeping them; that
-costs one more head matmul, which pays only when the logits would not fit.
+output head, a plain linear head through an in-place path that holds one float32
+logit-sized buffer (``_HeadLogprobs``). When the response logits are small
+(``max_unchunked_bytes``) they are projected in one piece and kept for backward. When they
+are large (long responses at a 32k+ vocabulary) the head runs ``chunk_size`` tokens at a
+time under activation checkpointing, so backward recomputes each chunk's logits instead of
+keeping them: one more head matmul, paid only when the logits would not fit.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from torch.utils.checkpoint import checkpoint
 
 from gspo_lightning.sampling import keep_mask
 
-# Response logits up to this size (float32 bytes, all rows) are projected in one piece.
-MAX_UNCHUNKED_BYTES = 128 * 2**20
+# Response logits up to this size (float32 bytes, all rows) are projected in one piece and
+# kept for backward (e.g. 64 responses x 32 tokens at a 32k vocabulary: 250 MiB).
+MAX_UNCHUNKED_BYTES = 256 * 2**20
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -59,6 +60,64 @@ def token_logprobs(
             plogp = plogp.masked_fill(~keep, 0.0)  # 0 * -inf
         entropy = -plogp.sum(-1)
     return picked, entropy
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """:func:`token_logprobs` of ``hidden @ weight.T`` holding one float32 logit-sized buffer.
+
+    Autograd's path keeps the log-softmax for backward and builds a zero tensor, the
+    softmax and the input gradient there (four logit-sized buffers at its peak); here the
+    log-softmax is computed in place, saved, and turned into the logit gradient in place
+    (``g * (onehot - softmax)``), so forward and backward each hold one. Backward runs once
+    (it consumes the saved buffer)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p):
+        logits = (hidden @ weight.t()).float()
+        if temperature not in (0.0, 1.0):
+            logits.div_(temperature)
+        keep = keep_mask(logits, top_k, top_p)
+        if keep is not None:
+            keep.scatter_(-1, targets.unsqueeze(-1), True)  # see token_logprobs
+            logits.masked_fill_(~keep, float("-inf"))
+        entropy = logits.new_empty(logits.shape[0])
+        block = max(1, 2**22 // logits.shape[-1])  # rows at a time: temporaries of ~16 MiB
+        for start in range(0, logits.shape[0], block):
+            log_probs = logits[start:start + block]
+            log_probs.sub_(torch.logsumexp(log_probs, dim=-1, keepdim=True))  # the log-softmax, in place
+            plogp = log_probs.exp() * log_probs
+            if keep is not None:
+                plogp.masked_fill_(~keep[start:start + block], 0.0)  # 0 * -inf
+            entropy[start:start + block] = -plogp.sum(-1)
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, targets, logits)
+        ctx.temperature = temperature
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked, grad_entropy):
+        # (a second backward through this graph fails torch's saved-tensor version check)
+        hidden, weight, targets, log_probs = ctx.saved_tensors
+        grad = grad_picked.float()
+        grad_logits = log_probs.exp_().mul_(-grad.unsqueeze(-1))  # -g * softmax, in place
+        grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+        if ctx.temperature not in (0.0, 1.0):
+            grad_logits.div_(ctx.temperature)
+        grad_logits = grad_logits.to(hidden.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` of ``head(hidden)``; a plain linear head takes the lean
+    :class:`_HeadLogprobs` path."""
+    weight = getattr(head, "weight", None)
+    if isinstance(head, nn.Linear) and head.bias is None and isinstance(weight, Tensor) and type(weight) is nn.Parameter:
+        return _HeadLogprobs.apply(hidden, weight, targets, temperature, top_k, top_p)
+    return token_logprobs(head(hidden), targets, temperature, top_k, top_p)
 
 
 def supports_chunked(model: nn.Module) -> bool:
@@ -161,7 +220,7 @@ def response_logprobs(
     flat_targets = targets.reshape(rows * length)
 
     def chunk_fn(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        return token_logprobs(head(h), t, temperature, top_k, top_p)
+        return head_logprobs(head, h, t, temperature, top_k, top_p)
 
     if rows * length * head.weight.shape[0] * 4 <= max_unchunked_bytes:
         picked, entropy = chunk_fn(flat_hidden, flat_targets)

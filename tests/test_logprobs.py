@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gspo_lightning.logprobs import response_logprobs, supports_chunked, token_logprobs
+from gspo_lightning.logprobs import head_logprobs, response_logprobs, supports_chunked, token_logprobs
 
 
 def batch(tok, vocab, rows=4, prompt=5, response=7, seed=0, group=1):
@@ -87,6 +87,32 @@ def test_filtered_logprob_entropy_and_gradient_by_hand():
     # top-k 3 at temperature 0.5: q ~ p**2 over the three largest
     lp, _ = token_logprobs(logits.detach(), torch.tensor([2]), temperature=0.5, top_k=3)
     assert lp.item() == pytest.approx(math.log(0.15**2 / (0.5**2 + 0.3**2 + 0.15**2)), abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 0.8)])
+def test_lean_linear_head_equals_autograd_through_token_logprobs(temperature, top_k, top_p):
+    """The in-place head path: same log-probs, entropies and gradients (hidden and weight)."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(6, 8, generator=g)
+    targets = torch.randint(0, 11, (6,), generator=g)
+    weights = torch.randn(6, generator=g)
+
+    def run(fn):
+        h = hidden.clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        lp, ent = fn(h)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, h.grad, head.weight.grad.clone()
+
+    lean = run(lambda h: head_logprobs(head, h, targets, temperature, top_k, top_p))
+    plain = run(lambda h: token_logprobs(head(h), targets, temperature, top_k, top_p))
+    for a, b in zip(lean, plain):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    lp, _ = head_logprobs(head, hidden.clone().requires_grad_(True), targets)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):  # backward consumed the saved log-softmax
+        lp.sum().backward()
 
 
 def test_a_target_outside_the_kept_set_still_counts():
