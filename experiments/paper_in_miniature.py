@@ -1,24 +1,33 @@
-"""The GSPO paper's findings (section 7 of shared/GSPO.md), in miniature, on a CPU.
+"""The GSPO paper's claims, in miniature, on a CPU, each pushed to where its mechanism bites.
 
-Trains a dense (``builtin:tiny-echo``) and a Mixture-of-Experts (``builtin:tiny-moe-echo``)
-tiny model from random weights by RL alone, with
+One command regenerates everything in ``docs/results/`` (``README.md`` there reads the
+numbers from the ``summary.json`` this writes)::
 
-* ``GSPO``     importance_sampling=seq,   clip 3e-4 / 4e-4, seq-mean-token-mean
-* ``GRPO``     importance_sampling=token, clip 0.2 / 0.27,  seq-mean-token-mean
-* ``GRPO+RR``  GRPO with Routing Replay (MoE only)
+    python experiments/paper_in_miniature.py --out docs/results      # the full run, ~1 h on 2 cores
+    python experiments/paper_in_miniature.py --smoke --out /tmp/s    # every experiment, tiny: seconds
+    python experiments/paper_in_miniature.py --replot --out docs/results
 
-over several seeds at equal compute: every run sees the same number of rollouts and takes
-the same number of optimizer steps (``MINI_BATCHES`` mini-batches per rollout, so the old
-policy goes stale and clipping acts). Writes to ``docs/results/`` (or ``--out``):
+Tiny models are trained from random weights by RL alone on the ``pattern`` task
+(``gspo_lightning/tasks/pattern.py``: prompt ``repeat 3 7``, answer ``3 7 3 7 ...`` for
+``length`` words, reward = share of positions right; 20 held-out digit pairs never trained on).
+Methods (``METHODS``): GSPO (sequence ratios, clip 3e-4 / 4e-4), GRPO (token ratios, clip
+0.2 / 0.27), GRPO+RR (GRPO with Routing Replay); all ``seq-mean-token-mean``, group-normalized
+advantages, AdamW, grad-norm clip 1. Every arm of an experiment has the same compute: the
+same rollouts, responses and optimizer steps. Experiments (``SETUP``):
 
-* ``reward_curves.png``, ``clip_fraction.png``, ``kl_and_ratios.png``, ``routing_change.png``
-* ``summary.json`` (per model and method: final reward mean/std over seeds, clip fractions, ...)
-* ``curves.json`` (per step, per seed: the metrics behind the plots)
+* ``length``: token clip fraction of GSPO and GRPO as the response length grows (16 -> 256),
+  and, at one length, as the learning rate shrinks towards the paper's regime;
+* ``dense``: GSPO vs GRPO at equal compute, 5 seeds, training and held-out reward;
+* ``moe``: a Qwen3-MoE with 16 experts, top-2, no shared expert, 8 mini-batches per rollout
+  and a high learning rate (real routing drift): GSPO vs GRPO vs GRPO+RR, 5 seeds;
+* ``precision``: rollouts from a bf16 / fp16 / bf16+fp8-weights copy of the policy
+  (``gspo_lightning.rollout.HFCopyEngine``) whose log-probs are used directly as pi_old
+  (``old_logprobs=engine``), trainer in fp32; against the fp32 recompute baseline.
 
-Run ``python experiments/paper_in_miniature.py`` (two single-threaded runs at a time:
-about 10 minutes on an idle 2-core CPU, about 15 minutes on a busy one; ``--jobs 1``
-doubles that) or ``--smoke`` (one seed, a few steps, under a minute). Results do not depend
-on ``--jobs``: every run is seeded and single-threaded.
+Outputs: ``summary.json`` (stamp: commit, dirty files, command line, versions, seeds, wall
+time, machine load; per arm: means with 95% t-intervals over seeds), ``curves.json`` (per
+step, per run), ``mismatch.json`` (engine-vs-trainer samples) and the plots.
+Runs are seeded and single-threaded: ``--jobs`` changes the wall time, not the numbers.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import argparse
 import json
 import math
 import os
+import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,38 +50,56 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODELS = {"dense": "builtin:tiny-echo", "moe": "builtin:tiny-moe-echo"}
+MODELS = {"dense": "builtin:tiny-echo", "moe": "builtin:tiny-moe16-echo"}
+_COMMON = dict(loss_agg_mode="seq-mean-token-mean")
 METHODS: dict[str, dict[str, Any]] = {
-    "GSPO": dict(importance_sampling="seq", clip_low=3e-4, clip_high=4e-4, loss_agg_mode="seq-mean-token-mean"),
-    "GRPO": dict(importance_sampling="token", clip_low=0.2, clip_high=0.27, loss_agg_mode="seq-mean-token-mean"),
-    "GRPO+RR": dict(importance_sampling="token", clip_low=0.2, clip_high=0.27, loss_agg_mode="seq-mean-token-mean",
-                    routing_replay=True),
+    "GSPO": dict(importance_sampling="seq", clip_low=3e-4, clip_high=4e-4, **_COMMON),
+    "GRPO": dict(importance_sampling="token", clip_low=0.2, clip_high=0.27, **_COMMON),
+    "GRPO+RR": dict(importance_sampling="token", clip_low=0.2, clip_high=0.27, routing_replay=True, **_COMMON),
 }
-MOE_ONLY = {"GRPO+RR"}
+# engine arms of the precision experiment: HFCopyEngine knobs (None: HFEngine + recompute)
+ENGINES: dict[str, Optional[dict]] = {
+    "fp32 recompute": None,
+    "fp16 engine": dict(dtype="float16"),
+    "bf16 engine": dict(dtype="bfloat16"),
+    "bf16+fp8 engine": dict(dtype="bfloat16", weight_quantization="fp8"),
+    "bf16+fp8 recompute": dict(dtype="bfloat16", weight_quantization="fp8", recompute=True),
+}
 
-# The shared setup of every run (equal compute: same rollouts, same optimizer steps).
-SETUP = dict(
-    task="alternate",  # gspo_lightning/tasks/alternate.py: `repeat 3 7` -> `3 7 3 7 3 7 3 7`
-    reward="gspo_lightning.tasks.alternate.alternate_reward",
-    prompts_per_rollout=16,
-    group_size=8,  # num_return_sequences_in_group: 128 responses per rollout
-    mini_batches=4,  # optimizer steps per rollout (the paper's 4): 32 responses each
-    response_length=10,
-    seeds=[0, 1, 2],
-    # two learning-rate regimes: a tuned one, and a 3x larger "stress" one where updates
-    # move the policy (and the router) far between rollouts
-    regimes={"standard": dict(lr=3e-3, rollout_steps=200), "stress": dict(lr=1e-2, rollout_steps=120)},
-)
-SMOKE = dict(seeds=[0], prompts_per_rollout=4,
-             regimes={"standard": dict(lr=3e-3, rollout_steps=3), "stress": dict(lr=1e-2, rollout_steps=3)})
+SETUP: dict[str, Any] = {
+    "task": "pattern",
+    "group_size": 8,
+    "experiments": {
+        "length": dict(model="dense", methods=["GSPO", "GRPO"], lengths=[16, 32, 64, 128, 256], lr=3e-3,
+                       lr_sweep=dict(length=64, lrs=[3e-4, 1e-3]), prompts=8, mini_batches=4, steps=20,
+                       seeds=[0, 1, 2]),
+        "dense": dict(model="dense", methods=["GSPO", "GRPO"], length=8, lr=3e-3, prompts=16, mini_batches=4,
+                      steps=100, seeds=[0, 1, 2, 3, 4]),
+        # a load-balancing loss keeps all 16 experts in use (without it the router collapses onto a few
+        # and the routing stops changing); 8 updates per rollout at lr 1e-2 move the router far from pi_old's
+        "moe": dict(model="moe", methods=["GSPO", "GRPO", "GRPO+RR"], length=8, lr=1e-2, prompts=16,
+                    mini_batches=8, router_aux_loss_coef=0.01, steps=100, seeds=[0, 1, 2, 3, 4]),
+        "precision": dict(model="dense", methods=["GSPO", "GRPO"], lengths=[8, 32], engines=list(ENGINES),
+                          lr=3e-3, prompts=8, mini_batches=4, steps=30, seeds=[0, 1, 2, 3, 4]),
+    },
+}
+SMOKE: dict[str, Any] = {
+    "length": dict(lengths=[8], lr_sweep=dict(length=8, lrs=[1e-3]), prompts=2, steps=2, seeds=[0]),
+    "dense": dict(prompts=2, steps=2, seeds=[0, 1]),
+    "moe": dict(prompts=2, steps=2, seeds=[0]),
+    "precision": dict(lengths=[8], engines=["fp32 recompute", "bf16 engine", "bf16+fp8 recompute"], prompts=2, steps=2,
+                      seeds=[0]),
+}
+HELDOUT_PROMPTS = 20  # the held-out digit pairs, each once, greedy
 
 METRICS = [
-    "reward/mean", "loss/clip_frac", "loss/clip_frac_tokens", "loss/ratio_min", "loss/ratio_max", "kl",
-    "entropy", "grad_norm", "moe/routing_change", "response/length_mean", "skipped_updates",
+    "reward/mean", "loss/clip_frac", "loss/clip_frac_tokens", "loss/clip_frac_first_minibatch", "loss/ratio_min",
+    "loss/ratio_max", "entropy", "grad_norm", "moe/routing_change", "response/length_mean", "skipped_updates",
+    "engine/logprob_abs_diff", "engine/seq_log_ratio_abs_max", "probe/token_abs_diff_max",
 ]
 
 
-# -- one extra metric, through the update loop's hook --------------------------------------
+# -- per-update metrics, through the update loop's hooks ------------------------------------
 def clip_frac_tokens(micro) -> dict:
     """The share of response *tokens* whose ratio is clipped, whatever the ratio level (for
     sequence ratios every token of a clipped sequence counts): the paper's Figure 2 unit.
@@ -92,10 +121,82 @@ def clip_frac_tokens(micro) -> dict:
     return {"loss/clip_frac_tokens": ((low | high).sum() / tokens.clamp(min=1), tokens)}
 
 
+class MismatchProbe:
+    """The old-vs-trainer log-prob gap in the first mini-batch of each rollout, before any
+    update: with ``old_logprobs=engine`` exactly the engine/trainer precision mismatch the
+    clip sees. Keeps per-sequence mean log ratios and a sample of per-token differences.
+    ``new_rollout()`` is called by a callback at the start of each rollout step."""
+
+    def __init__(self, token_samples_per_step: int = 64):
+        self.first = False
+        self.seq: list[float] = []
+        self.tokens: list[float] = []
+        self.per_step = token_samples_per_step
+
+    def new_rollout(self) -> None:
+        self.first = True
+
+    def __call__(self, micro) -> dict:
+        import torch
+
+        if not self.first:
+            return {}
+        self.first = False
+        valid = micro.mask.bool()
+        diff = torch.where(valid, micro.logprobs - micro.old_logprobs.to(micro.logprobs.dtype), torch.zeros_like(micro.logprobs))
+        lengths = valid.sum(-1)
+        keep = lengths > 0
+        self.seq.extend((diff.sum(-1)[keep] / lengths[keep]).tolist())
+        tokens = diff[valid]
+        if tokens.numel():
+            pick = torch.randperm(tokens.numel(), generator=torch.Generator().manual_seed(len(self.tokens)))[:self.per_step]
+            self.tokens.extend(tokens[pick].tolist())
+            return {"probe/token_abs_diff_max": (tokens.abs().max(), 1)}
+        return {}
+
+
+# -- the plan: one dict per run -----------------------------------------------------------
+def plan(setup: dict) -> list[dict]:
+    runs = []
+    base = dict(task=setup["task"], group=setup["group_size"])
+    for exp, cfg in setup["experiments"].items():
+        common = dict(base, experiment=exp, model=cfg["model"], prompts=cfg["prompts"], mini_batches=cfg["mini_batches"],
+                      steps=cfg["steps"], router_aux_loss_coef=cfg.get("router_aux_loss_coef", 0.0))
+        arms = []
+        if exp == "length":
+            for length in cfg["lengths"]:
+                for method in cfg["methods"]:
+                    arms.append(dict(arm=f"{method} L{length}", method=method, length=length, lr=cfg["lr"]))
+            sweep = cfg.get("lr_sweep")
+            if sweep:
+                for lr in sweep["lrs"]:
+                    for method in cfg["methods"]:
+                        arms.append(dict(arm=f"{method} L{sweep['length']} lr{lr:g}", method=method,
+                                         length=sweep["length"], lr=lr))
+        elif exp == "precision":
+            for length in cfg["lengths"]:
+                for engine in cfg["engines"]:
+                    for method in cfg["methods"]:
+                        arms.append(dict(arm=f"{method} L{length} {engine}", method=method, length=length, lr=cfg["lr"],
+                                         engine=engine))
+        else:
+            for method in cfg["methods"]:
+                arms.append(dict(arm=method, method=method, length=cfg["length"], lr=cfg["lr"]))
+        for arm in arms:
+            for seed in cfg["seeds"]:
+                runs.append({**common, **arm, "seed": seed, "heldout": True})
+    return runs
+
+
+def cost(run: dict) -> float:
+    """Relative run time, to start the longest runs first."""
+    per_token = 1.0 + (2.0 if run["model"] == "moe" else 0.0)
+    return run["steps"] * run["prompts"] * run["group"] * (20 + run["length"] * per_token)
+
+
 # -- one run -----------------------------------------------------------------------------
-def run_one(regime: str, model_key: str, method: str, seed: int, setup: dict, work_dir: str) -> dict:
-    """Train one (regime, model, method, seed); return the per-rollout-step metrics.
-    ``setup``: :data:`SETUP` with the regime's ``lr`` and ``rollout_steps`` merged in."""
+def run_one(run: dict, work_dir: str) -> dict:
+    """Train one run of :func:`plan`; return its per-rollout-step metrics and held-out score."""
     import contextlib
     import io
     import logging
@@ -104,324 +205,557 @@ def run_one(regime: str, model_key: str, method: str, seed: int, setup: dict, wo
     import torch
 
     from gspo_lightning.data import PromptDataModule
-    from gspo_lightning.rewards import RewardSpec
-
+    from gspo_lightning.errors import NonFiniteError
     from gspo_lightning.module import GSPOModule
+    from gspo_lightning.rewards import RewardSpec
+    from gspo_lightning.rollout import HFCopyEngine
+    from gspo_lightning.tasks import pattern
 
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("gspo_lightning.update").setLevel(logging.ERROR)
     history: dict[str, list[Optional[float]]] = {name: [] for name in METRICS}
+    probe = MismatchProbe()
 
     class Collect(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            probe.new_rollout()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             metrics = trainer.callback_metrics
             for name in METRICS:
                 value = metrics.get(name)
                 history[name].append(None if value is None else float(value))
 
-    G = setup["group_size"]
-    responses = setup["prompts_per_rollout"] * G
+    name = f"{run['experiment']}-{run['arm']}-{run['seed']}".replace(" ", "_")
+    folder = Path(work_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    data_path = folder / "train.jsonl"
+    with open(data_path, "w") as handle:
+        for row in pattern.make_rows(4000, run["seed"], run["length"], "train"):
+            handle.write(json.dumps(row) + "\n")
+
+    engine_name = run.get("engine")
+    knobs = dict(ENGINES[engine_name] or {}) if engine_name else {}
+    recompute = knobs.pop("recompute", False) or not engine_name or ENGINES[engine_name] is None
+    engine = HFCopyEngine(**knobs) if knobs else None
+    model_path = MODELS[run["model"]]
+    responses = run["prompts"] * run["group"]
     module = GSPOModule(
-        model_name_or_path=MODELS[model_key],
-        rewards=[RewardSpec(function=setup["reward"])],
-        num_return_sequences_in_group=G,
-        response_length=setup["response_length"],
+        model_name_or_path=model_path,
+        rewards=[RewardSpec(function="gspo_lightning.tasks.pattern.pattern_reward")],
+        num_return_sequences_in_group=run["group"],
+        response_length=run["length"],
         adv_estimator="grpo",
-        mini_batch_size=responses // setup["mini_batches"],
-        use_kl_loss=True, kl_loss_coef=0.0,  # a reference for the KL metric; the objective is unchanged
-        optimizer=lambda params: torch.optim.AdamW(params, lr=setup["lr"], weight_decay=0.0),
-        **METHODS[method],
-        metric_hooks=[clip_frac_tokens],
+        mini_batch_size=responses // run["mini_batches"],
+        optimizer=lambda params: torch.optim.AdamW(params, lr=run["lr"], weight_decay=0.0),
+        engine=engine,
+        old_logprobs="recompute" if recompute else "engine",
+        router_aux_loss_coef=run.get("router_aux_loss_coef", 0.0),
+        **METHODS[run["method"]],
+        metric_hooks=[clip_frac_tokens, probe],
         export_on_fit_end=False,  # only the metrics matter here
     )
-    data = PromptDataModule(path=f"builtin:{setup['task']}", tokenizer=MODELS[model_key], rollout_batch_size=setup["prompts_per_rollout"],
-                            prompt_length=8, val_size=8, seed=seed)
-    L.seed_everything(seed, verbose=False)  # the same initial weights and prompts for every method
+    data = PromptDataModule(path=str(data_path), tokenizer=model_path, rollout_batch_size=run["prompts"],
+                            prompt_length=8, val_size=None, seed=run["seed"])
+    L.seed_everything(run["seed"], verbose=False)  # the same initial weights and prompts for every arm
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=setup["rollout_steps"], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=os.path.join(work_dir, f"{regime}-{model_key}-{method}-{seed}"), callbacks=[Collect()],
+        accelerator="cpu", devices=1, max_steps=run["steps"], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(folder), callbacks=[Collect()],
     )
     start = time.perf_counter()
+    failure = None
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the built-in plotter's print
         warnings.simplefilter("ignore")
-        trainer.fit(module, datamodule=data)
-    return {"regime": regime, "model": model_key, "method": method, "seed": seed,
-            "seconds": time.perf_counter() - start, "optimizer_steps": module.policy_version, "history": history}
+        try:
+            trainer.fit(module, datamodule=data)
+        except NonFiniteError as err:  # a collapse is a result, not a crash of the experiment
+            failure = f"step {len(history['reward/mean'])}: {err}"
+    seconds = time.perf_counter() - start
+    heldout = heldout_score(module, run["length"]) if run.get("heldout") else None
+    return {**run, "seconds": seconds, "optimizer_steps": module.policy_version, "history": history,
+            "heldout": heldout, "failure": failure,
+            "mismatch": {"seq": [float(f"{v:.4g}") for v in probe.seq],
+                         "tokens": [float(f"{v:.4g}") for v in probe.tokens]}}
+
+
+def heldout_score(module, length: int) -> dict:
+    """Greedy responses of the trained fp32 policy to the 20 held-out digit pairs (never in
+    training), scored by the task's reward: mean reward and exact-answer accuracy."""
+    from gspo_lightning.models import eos_token_ids
+    from gspo_lightning.rollout import EngineSpec, HFEngine, SamplingParams
+    from gspo_lightning.tasks import pattern
+
+    tok = module.tokenizer
+    rows = pattern.heldout_rows(length)  # the 20 held-out pairs, once each
+    engine = HFEngine()
+    engine.start(EngineSpec(model_name_or_path="", dtype="float32", prompt_length=8, response_length=length, seed=0,
+                            eos_token_ids=eos_token_ids(module.policy, tok), pad_token_id=tok.pad_token_id,
+                            policy=module.policy, tokenizer=tok))
+    ids = [tok(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
+    gen = engine.generate(ids, 1, SamplingParams(length, temperature=0.0), seed=0)
+    texts = tok.batch_decode([r[:n] for r, n in zip(gen.completion_ids.tolist(), gen.lengths.tolist())],
+                             skip_special_tokens=True)
+    scores = pattern.pattern_reward([r["prompt"] for r in rows], texts, [r["target"] for r in rows])
+    return {"reward": sum(scores) / len(scores), "accuracy": sum(s >= 1.0 for s in scores) / len(scores),
+            "prompts": len(rows)}
 
 
 def _run_job(args):
     return run_one(*args)
 
 
-# -- analysis ----------------------------------------------------------------------------
-SMOOTH = 10  # moving-average window of the plots and of "best reward"
+# -- statistics ------------------------------------------------------------------------------
+# two-sided 95% Student t quantiles by degrees of freedom (no scipy here)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
-def _series(runs: list[dict], name: str):
-    import numpy as np
-
-    length = min(len(r["history"][name]) for r in runs)
-    return np.array([[np.nan if v is None else v for v in r["history"][name][:length]] for r in runs], dtype=float)
-
-
-def _final(values, frac=0.1):
-    """Mean over the last ``frac`` of steps, per seed."""
-    import numpy as np
-
-    n = max(1, int(math.ceil(values.shape[1] * frac)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmean(values[:, -n:], axis=1)
+def t95(df: int) -> float:
+    if df in T95:
+        return T95[df]
+    below = [k for k in T95 if k <= df]
+    return T95[max(below)] if below else float("nan")
 
 
-def _nanmean(x) -> Optional[float]:
-    import numpy as np
+def ci(values) -> dict:
+    """Mean and 95% t-interval half-width over seeds (``None`` values ignored)."""
+    xs = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not xs:
+        return {"mean": None, "ci95": None, "n": 0}
+    mean = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return {"mean": round(mean, 5), "ci95": None, "n": 1}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    return {"mean": round(mean, 5), "ci95": round(t95(len(xs) - 1) * sd / math.sqrt(len(xs)), 5), "n": len(xs)}
 
-    x = np.asarray(x, dtype=float)
-    return None if np.all(np.isnan(x)) else float(np.nanmean(x))
+
+def _values(history: list, frac: Optional[float] = None, start: float = 0.0) -> list[float]:
+    xs = [v for v in history if v is not None]
+    if frac is not None:
+        xs = xs[-max(1, int(math.ceil(len(xs) * frac))):] if xs else xs
+    elif start:
+        xs = xs[int(len(xs) * start):]
+    return xs
+
+
+def _mean(xs) -> Optional[float]:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _quantiles(xs: list[float], qs=(0.5, 0.9, 0.99)) -> dict:
+    if not xs:
+        return {}
+    s = sorted(abs(x) for x in xs)
+    return {f"p{int(q * 100)}": float(f"{s[min(len(s) - 1, int(q * len(s)))]:.3g}") for q in qs} | {"max": float(f"{s[-1]:.3g}")}
+
+
+SMOOTH = 5
 
 
 def _smooth(y, window):
     import numpy as np
 
+    y = np.asarray(y, dtype=float)
     if window <= 1 or len(y) < window:
-        return np.asarray(y, dtype=float)
+        return y
     kernel = np.ones(window) / window
     padded = np.concatenate([np.full(window - 1, y[0]), y])
     return np.convolve(padded, kernel, mode="valid")
 
 
-def _select(results, regime=None, model=None, method=None):
-    return [r for r in results if (regime is None or r["regime"] == regime) and (model is None or r["model"] == model)
-            and (method is None or r["method"] == method)]
+def arm_entry(runs: list[dict]) -> dict:
+    """Per-arm numbers: mean and 95% interval over seeds of per-seed values."""
+    per_seed: dict[str, list] = {k: [] for k in (
+        "final_reward", "heldout_reward", "heldout_accuracy", "clip_frac", "clip_frac_tokens", "clip_frac_tokens_late",
+        "clip_frac_first_minibatch", "routing_change", "response_length", "engine_logprob_abs_diff",
+        "drop_from_best", "log_ratio_min", "grad_norm")}
+    for r in runs:
+        h = r["history"]
+        reward = _values(h["reward/mean"])
+        final = _mean(_values(h["reward/mean"], frac=0.1))
+        per_seed["final_reward"].append(final)
+        smoothed = _smooth(reward, SMOOTH) if reward else []
+        per_seed["drop_from_best"].append(float(max(smoothed)) - final if len(smoothed) and final is not None else None)
+        per_seed["heldout_reward"].append(r["heldout"]["reward"] if r.get("heldout") else None)
+        per_seed["heldout_accuracy"].append(r["heldout"]["accuracy"] if r.get("heldout") else None)
+        per_seed["clip_frac"].append(_mean(_values(h["loss/clip_frac"])))
+        per_seed["clip_frac_tokens"].append(_mean(_values(h["loss/clip_frac_tokens"])))
+        per_seed["clip_frac_tokens_late"].append(_mean(_values(h["loss/clip_frac_tokens"], start=0.5)))
+        per_seed["clip_frac_first_minibatch"].append(_mean(_values(h["loss/clip_frac_first_minibatch"])))
+        per_seed["routing_change"].append(_mean(_values(h["moe/routing_change"])))
+        per_seed["response_length"].append(_mean(_values(h["response/length_mean"])))
+        per_seed["engine_logprob_abs_diff"].append(_mean(_values(h["engine/logprob_abs_diff"])))
+        ratio_min = [math.log(max(v, 1e-30)) for v in _values(h["loss/ratio_min"])]
+        per_seed["log_ratio_min"].append(_mean(ratio_min))
+        per_seed["grad_norm"].append(_mean(_values(h["grad_norm"])))
+    entry: dict[str, Any] = {"seeds": [r["seed"] for r in runs]}
+    for key, values in per_seed.items():
+        if any(v is not None for v in values):
+            entry[key] = ci(values)
+    entry["final_reward_per_seed"] = [None if v is None else round(v, 4) for v in per_seed["final_reward"]]
+    entry["heldout_reward_per_seed"] = [None if v is None else round(v, 4) for v in per_seed["heldout_reward"]]
+    entry["failures"] = [r["failure"] for r in runs if r.get("failure")]
+    entry["skipped_updates"] = int(sum((_values(r["history"]["skipped_updates"]) or [0])[-1] for r in runs))
+    entry["optimizer_steps"] = runs[0]["optimizer_steps"]
+    entry["seconds_per_run"] = round(sum(r["seconds"] for r in runs) / len(runs), 1)
+    seq = [x for r in runs for x in r["mismatch"]["seq"]]
+    tokens = [x for r in runs for x in r["mismatch"]["tokens"]]
+    if seq:
+        entry["first_minibatch_mismatch"] = {
+            "seq_abs_log_ratio": _quantiles(seq), "token_abs_diff": _quantiles(tokens),
+            "share_seq_beyond_gspo_clip": round(sum(abs(x) > 3e-4 for x in seq) / len(seq), 4),
+            "share_tokens_beyond_grpo_clip": round(sum(abs(x) > 0.2 for x in tokens) / max(1, len(tokens)), 5),
+        }
+    return entry
 
 
-def summarize(results: list[dict], setup: dict, seconds: float) -> dict:
+def _paired_ratio(a_runs: list[dict], b_runs: list[dict], key: str = "loss/clip_frac_tokens", start: float = 0.0) -> dict:
+    """Per-seed ratio a/b of a metric's mean (seeds pair: same initial weights and prompts)."""
+    by_seed = {r["seed"]: r for r in b_runs}
+    ratios = []
+    for r in a_runs:
+        other = by_seed.get(r["seed"])
+        if other is None:
+            continue
+        a, b = _mean(_values(r["history"][key], start=start)), _mean(_values(other["history"][key], start=start))
+        if a is not None and b:
+            ratios.append(a / b)
+    if not ratios:
+        return {"geo_mean": None}
+    logs = [math.log(x) for x in ratios if x > 0]
+    out = ci(logs)
+    geo = math.exp(out["mean"]) if out["mean"] is not None else None
+    return {"geo_mean": None if geo is None else round(geo, 2), "per_seed": [round(x, 2) for x in ratios],
+            "ci95_low": None if out["ci95"] is None else round(math.exp(out["mean"] - out["ci95"]), 2),
+            "ci95_high": None if out["ci95"] is None else round(math.exp(out["mean"] + out["ci95"]), 2)}
+
+
+def summarize(results: list[dict], setup: dict) -> dict:
+    out: dict[str, Any] = {}
+    for exp in setup["experiments"]:
+        runs = [r for r in results if r["experiment"] == exp]
+        arms: dict[str, list] = {}
+        for r in runs:
+            arms.setdefault(r["arm"], []).append(r)
+        out[exp] = {"arms": {arm: arm_entry(sorted(rs, key=lambda r: r["seed"])) for arm, rs in arms.items()}}
+        if exp == "length":
+            cfg = setup["experiments"]["length"]
+            table = []
+            for length in cfg["lengths"]:
+                g, r = arms.get(f"GSPO L{length}"), arms.get(f"GRPO L{length}")
+                if g and r:
+                    table.append({"length": length, "lr": cfg["lr"],
+                                  "gspo_tokens": out[exp]["arms"][f"GSPO L{length}"]["clip_frac_tokens"],
+                                  "grpo_tokens": out[exp]["arms"][f"GRPO L{length}"]["clip_frac_tokens"],
+                                  "ratio": _paired_ratio(g, r), "ratio_second_half": _paired_ratio(g, r, start=0.5),
+                                  "response_length": out[exp]["arms"][f"GSPO L{length}"]["response_length"]})
+            out[exp]["by_length"] = table
+            sweep = cfg.get("lr_sweep")
+            if sweep:
+                rows = []
+                for lr in sorted([*sweep["lrs"], cfg["lr"]]):
+                    suffix = f"L{sweep['length']}" + ("" if lr == cfg["lr"] else f" lr{lr:g}")
+                    g, r = arms.get(f"GSPO {suffix}"), arms.get(f"GRPO {suffix}")
+                    if g and r:
+                        rows.append({"length": sweep["length"], "lr": lr,
+                                     "gspo_tokens": out[exp]["arms"][f"GSPO {suffix}"]["clip_frac_tokens"],
+                                     "grpo_tokens": out[exp]["arms"][f"GRPO {suffix}"]["clip_frac_tokens"],
+                                     "ratio": _paired_ratio(g, r)})
+                out[exp]["by_lr"] = rows
+    return out
+
+
+# -- plots -------------------------------------------------------------------------------------
+COLORS = {"GSPO": "tab:blue", "GRPO": "tab:red", "GRPO+RR": "tab:green"}
+ENGINE_COLORS = {"fp32 recompute": "black", "fp16 engine": "tab:green", "bf16 engine": "tab:orange",
+                 "bf16+fp8 engine": "tab:red", "bf16+fp8 recompute": "tab:purple"}
+
+
+def _errorbar(ax, xs, entries, key, **kw):
+    ys = [e[key]["mean"] if e.get(key) else float("nan") for e in entries]
+    err = [(e[key]["ci95"] or 0.0) if e.get(key) else 0.0 for e in entries]
+    ax.errorbar(xs, ys, yerr=err, capsize=3, marker="o", **kw)
+
+
+def _band(ax, runs, name, label, color, smooth, linestyle="-"):
     import numpy as np
 
-    summary: dict[str, Any] = {
-        "setup": {**setup, "models": MODELS, "methods": METHODS},
-        "definitions": {
-            "final_reward": "mean training reward over the last 10% of rollout steps, per seed; mean/std over seeds",
-            "best_reward": f"highest {SMOOTH}-step moving average of the reward, per seed; mean over seeds",
-            "drop_from_best": "best_reward - final_reward per seed, mean over seeds (a collapse shows as a large drop)",
-            "mean_clip_frac": "clipped share per rollout step, mean over steps and seeds; unit: clip_frac_unit",
-            "mean_clip_frac_tokens": "clipped share counted in tokens (for GSPO: the tokens of clipped sequences)",
-            "final_kl_to_init": "k3 KL(policy || initial policy) per response token, last 10% of steps",
-            "mean_routing_change": "share of (valid token, MoE layer) whose top-k expert set under the current "
-                                   "policy differs from the old policy's, mean over the training forwards after "
-                                   "the first update of each rollout",
-        },
-        "runtime_s": round(seconds, 1),
-        "results": {},
-    }
-    for regime in setup["regimes"]:
-        for model_key in MODELS:
-            for method in METHODS:
-                runs = _select(results, regime, model_key, method)
-                if not runs:
-                    continue
-                reward = _series(runs, "reward/mean")
-                final = _final(reward)
-                best = np.array([np.nanmax(_smooth(np.nan_to_num(v), SMOOTH)) for v in reward])
-                entry = {
-                    "seeds": [r["seed"] for r in runs],
-                    "final_reward_mean": round(float(np.mean(final)), 4),
-                    "final_reward_std": round(float(np.std(final)), 4),
-                    "final_reward_per_seed": [round(float(v), 4) for v in final],
-                    "best_reward_mean": round(float(np.mean(best)), 4),
-                    "drop_from_best": round(float(np.mean(best - final)), 4),
-                    "mean_clip_frac": _nanmean(_series(runs, "loss/clip_frac")),
-                    "clip_frac_unit": "sequences" if METHODS[method]["importance_sampling"] != "token" else "tokens",
-                    "mean_clip_frac_tokens": _nanmean(_series(runs, "loss/clip_frac_tokens")),
-                    "final_kl_to_init": _nanmean(_final(_series(runs, "kl"))),
-                    "mean_log_ratio_max": _nanmean(np.log(_series(runs, "loss/ratio_max"))),
-                    "mean_log_ratio_min": _nanmean(np.log(_series(runs, "loss/ratio_min"))),
-                    "skipped_updates": int(sum((r["history"]["skipped_updates"][-1] or 0) for r in runs)),
-                    "optimizer_steps": runs[0]["optimizer_steps"],
-                    "seconds_per_run": round(float(np.mean([r["seconds"] for r in runs])), 1),
-                }
-                if model_key == "moe":
-                    entry["mean_routing_change"] = _nanmean(_series(runs, "moe/routing_change"))
-                    if METHODS[method].get("routing_replay"):
-                        entry["routing_change_note"] = ("experts the router would have chosen differently; "
-                                                        "the replay forced the recorded ones")
-                summary["results"].setdefault(regime, {}).setdefault(model_key, {})[method] = entry
-    return summary
+    length = min(len(r["history"][name]) for r in runs)
+    values = np.array([[np.nan if v is None else v for v in r["history"][name][:length]] for r in runs], dtype=float)
+    if length == 0 or np.all(np.isnan(values)):
+        return
+    rows = [_smooth(np.where(np.isnan(v), np.nanmean(v) if not np.all(np.isnan(v)) else 0.0, v), smooth) for v in values]
+    values = np.array(rows)
+    steps = np.arange(1, values.shape[1] + 1)
+    mean = values.mean(0)
+    ax.plot(steps, mean, color=color, label=label, linewidth=1.4, linestyle=linestyle)
+    if len(runs) > 1:
+        half = t95(len(runs) - 1) * values.std(0, ddof=1) / np.sqrt(len(runs))
+        ax.fill_between(steps, mean - half, mean + half, color=color, alpha=0.18, linewidth=0)
 
 
-COLORS = {"GSPO": "tab:blue", "GRPO": "tab:red", "GRPO+RR": "tab:green"}
-
-
-def plot(results: list[dict], setup: dict, out: Path, smooth: int) -> list[Path]:
+def plot(results: list[dict], summary: dict, setup: dict, out: Path, smooth: int) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    def band(ax, runs, name, label, color, transform=None, linestyle="-"):
-        values = _series(runs, name)
-        if transform is not None:
-            values = transform(values)
-        if np.all(np.isnan(values)):
-            return
-        rows = []
-        for v in values:
-            fill = np.nanmean(v) if not np.all(np.isnan(v)) else 0.0
-            rows.append(_smooth(np.where(np.isnan(v), fill, v), smooth))
-        smoothed = np.array(rows)
-        steps = np.arange(1, smoothed.shape[1] + 1)
-        mean, std = smoothed.mean(0), smoothed.std(0)
-        ax.plot(steps, mean, color=color, label=label, linewidth=1.4, linestyle=linestyle)
-        if len(runs) > 1:
-            ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.18, linewidth=0)
+    paths = []
+    exps = setup["experiments"]
 
-    regimes = [r for r in setup["regimes"] if _select(results, regime=r)]
-    seeds = len({r["seed"] for r in results})
-    note = f"mean over {seeds} seed(s), band = ±1 std over seeds" + (f", {smooth}-step moving average" if smooth > 1 else "")
-
-    def title(regime):
-        return f"{regime} (lr {setup['regimes'][regime]['lr']:g})"
-
-    def grid(metric_fn, ylabel, name, suptitle, log=False, legend_size=9):
-        fig, axes = plt.subplots(len(regimes), len(MODELS), figsize=(11, 3.6 * len(regimes)), squeeze=False)
-        for i, regime in enumerate(regimes):
-            for j, model_key in enumerate(MODELS):
-                ax = axes[i, j]
-                for method in METHODS:
-                    runs = _select(results, regime, model_key, method)
-                    if runs:
-                        metric_fn(ax, runs, method)
-                if log:
-                    ax.set_yscale("log")
-                ax.set_title(f"{title(regime)} — {model_key} ({MODELS[model_key]})", fontsize=10)
-                ax.set_xlabel(f"rollout step ({setup['mini_batches']} optimizer steps each)")
-                ax.set_ylabel(ylabel)
-                ax.grid(alpha=0.3, which="both" if log else "major")
-                ax.legend(fontsize=legend_size)
-        fig.suptitle(f"{suptitle} — {note}", fontsize=10)
+    def save(fig, name):
         fig.tight_layout()
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
-        return out / name
+        paths.append(out / name)
 
-    paths = [
-        grid(lambda ax, runs, m: band(ax, runs, "reward/mean", m, COLORS[m]), "mean reward (alternate task)",
-             "reward_curves.png", "Training reward"),
-    ]
+    def arm_runs(exp, arm):
+        return sorted([r for r in results if r["experiment"] == exp and r["arm"] == arm], key=lambda r: r["seed"])
 
-    def clip(ax, runs, method):
-        seq = METHODS[method]["importance_sampling"] != "token"
-        band(ax, runs, "loss/clip_frac", f"{method} ({'sequences' if seq else 'tokens'})", COLORS[method])
-        if seq:
-            band(ax, runs, "loss/clip_frac_tokens", f"{method} (tokens of clipped sequences)", COLORS[method],
-                 linestyle="--")
+    # 1. clip fraction vs response length (and learning rate)
+    if "length" in summary:
+        s = summary["length"]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        rows = s.get("by_length", [])
+        xs = [row["length"] for row in rows]
+        for method, key in (("GSPO", "gspo_tokens"), ("GRPO", "grpo_tokens")):
+            _errorbar(axes[0], xs, [{"v": row[key]} for row in rows], "v", color=COLORS[method],
+                      label=f"{method} ({'tokens of clipped sequences' if method == 'GSPO' else 'tokens'})")
+        axes[0].set(xscale="log", yscale="log", xlabel="response length (tokens)", ylabel="clipped share of tokens",
+                    title=f"Clip fraction vs length (lr {exps['length']['lr']:g})")
+        axes[0].set_xticks(xs, [str(x) for x in xs])
+        for i, (key, label) in enumerate((("ratio", "all steps"), ("ratio_second_half", "second half of steps"))):
+            ys = [row[key]["geo_mean"] or np.nan for row in rows]
+            lo = [row[key].get("ci95_low") or y for row, y in zip(rows, ys)]
+            hi = [row[key].get("ci95_high") or y for row, y in zip(rows, ys)]
+            axes[1].errorbar(np.array(xs) * (1.04 if i else 1.0), ys,
+                             yerr=[np.array(ys) - np.array(lo), np.array(hi) - np.array(ys)], capsize=3, marker="o",
+                             label=label, color="black" if i == 0 else "gray")
+        axes[1].set(xscale="log", yscale="log", xlabel="response length (tokens)", ylabel="GSPO / GRPO clipped tokens",
+                    title="Ratio (geometric mean over seeds, 95% CI)")
+        axes[1].axhline(100, color="tab:purple", linestyle=":", label="paper: ~100x")
+        axes[1].set_xticks(xs, [str(x) for x in xs])
+        lr_rows = s.get("by_lr", [])
+        if lr_rows:
+            lrs = [row["lr"] for row in lr_rows]
+            for method, key in (("GSPO", "gspo_tokens"), ("GRPO", "grpo_tokens")):
+                _errorbar(axes[2], lrs, [{"v": row[key]} for row in lr_rows], "v", color=COLORS[method], label=method)
+            twin = axes[2].twinx()
+            twin.plot(lrs, [row["ratio"]["geo_mean"] or np.nan for row in lr_rows], "k--", marker="s", label="ratio")
+            twin.set_yscale("log")
+            twin.set_ylabel("GSPO / GRPO (dashed)")
+            axes[2].set(xscale="log", yscale="log", xlabel="learning rate", ylabel="clipped share of tokens",
+                        title=f"Clip fraction vs learning rate (length {lr_rows[0]['length']})")
+        from matplotlib.ticker import NullFormatter
 
-    paths.append(grid(clip, "fraction clipped (log)", "clip_fraction.png", "Clipped fraction per step", log=True,
-                      legend_size=7))
-    paths.append(grid(lambda ax, runs, m: band(ax, runs, "kl", m, COLORS[m]), "KL(policy || initial), k3",
-                      "kl.png", "KL to the initial policy"))
+        for ax in axes:
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=8)
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        save(fig, "clip_vs_length.png")
 
-    def ratios(ax, runs, method):
-        log = lambda v: np.log(np.clip(v, 1e-12, None))  # noqa: E731
-        band(ax, runs, "loss/ratio_max", f"{method} max", COLORS[method], transform=log)
-        band(ax, runs, "loss/ratio_min", f"{method} min", COLORS[method], transform=log, linestyle="--")
+    # 2. reward curves and routing change: dense and MoE at equal compute
+    curve_exps = [e for e in ("dense", "moe") if e in summary]
+    if curve_exps:
+        fig, axes = plt.subplots(2, len(curve_exps), figsize=(6.5 * len(curve_exps), 7.5), squeeze=False)
+        for j, exp in enumerate(curve_exps):
+            cfg = exps[exp]
+            for method in cfg["methods"]:
+                runs = arm_runs(exp, method)
+                if runs:
+                    _band(axes[0, j], runs, "reward/mean", method, COLORS[method], smooth)
+                    if exp == "moe":
+                        label = method + (" (would change; replay forced old)" if "RR" in method else "")
+                        _band(axes[1, j], runs, "moe/routing_change", label, COLORS[method], smooth)
+                    else:
+                        _band(axes[1, j], runs, "loss/clip_frac_tokens", method, COLORS[method], smooth)
+            axes[0, j].set(title=f"{exp}: {MODELS[cfg['model']]}, length {cfg['length']}, lr {cfg['lr']:g}, "
+                                 f"{cfg['mini_batches']} mini-batches", xlabel="rollout step", ylabel="training reward")
+            if exp == "moe":
+                axes[1, j].set(title="MoE: share of (token, layer) whose top-2 experts changed since pi_old",
+                               xlabel="rollout step", ylabel="routing change")
+            else:
+                axes[1, j].set(title="clipped share of tokens", xlabel="rollout step", yscale="log")
+            for ax in axes[:, j]:
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+        fig.suptitle(f"mean over seeds, band = 95% CI, {smooth}-step moving average", fontsize=9)
+        save(fig, "reward_curves.png")
 
-    paths.append(grid(ratios, "log importance ratio", "importance_ratios.png",
-                      "log importance ratio, max / min per step (GRPO: tokens, GSPO: sequences)", legend_size=7))
+    # 3. final training reward and held-out reward per arm, with 95% CI
+    bar_exps = [e for e in ("dense", "moe", "precision") if e in summary]
+    if bar_exps:
+        fig, axes = plt.subplots(1, len(bar_exps), figsize=(5 * len(bar_exps) + 4, 4.6), squeeze=False,
+                                 gridspec_kw={"width_ratios": [len(summary[e]["arms"]) for e in bar_exps]})
+        for ax, exp in zip(axes[0], bar_exps):
+            arms = list(summary[exp]["arms"])
+            x = np.arange(len(arms))
+            for k, (key, label) in enumerate((("final_reward", "training reward (last 10%)"),
+                                              ("heldout_reward", "held-out pairs, greedy"))):
+                ys = [summary[exp]["arms"][a].get(key, {}).get("mean") or 0.0 for a in arms]
+                es = [summary[exp]["arms"][a].get(key, {}).get("ci95") or 0.0 for a in arms]
+                ax.bar(x + (k - 0.5) * 0.38, ys, 0.38, yerr=es, capsize=2, label=label,
+                       color=["tab:blue", "tab:gray"][k], alpha=0.85)
+            ax.set_xticks(x, arms, rotation=60 if len(arms) > 4 else 0, ha="right" if len(arms) > 4 else "center",
+                          fontsize=7 if len(arms) > 4 else 9)
+            ax.set(title=f"{exp} (95% CI over {len(exps[exp]['seeds'])} seeds)", ylabel="reward")
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=8)
+        save(fig, "final_rewards.png")
 
-    fig, axes = plt.subplots(1, len(regimes), figsize=(5.5 * len(regimes), 3.8), squeeze=False)
-    for ax, regime in zip(axes[0], regimes):
-        for method in METHODS:
-            runs = _select(results, regime, "moe", method)
-            if runs:
-                replay = METHODS[method].get("routing_replay")
-                band(ax, runs, "moe/routing_change", method + (" (would change; replay forced old)" if replay else ""),
-                     COLORS[method])
-        ax.set_title(f"{title(regime)} — MoE: share of (token, layer)\nwith a changed top-k expert set, old vs current",
-                     fontsize=10)
-        ax.set_xlabel("rollout step")
-        ax.set_ylabel("routing change")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "routing_change.png")
-    fig.savefig(paths[-1], dpi=90)
-    plt.close(fig)
+    # 4. precision: mismatch distributions, first-mini-batch clipping, curves
+    if "precision" in summary:
+        cfg = exps["precision"]
+        fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+        bins = np.logspace(-9, 1, 61)
+        for engine in cfg["engines"]:
+            if ENGINES[engine] is not None and ENGINES[engine].get("recompute"):
+                continue
+            for n, length in enumerate(sorted({min(cfg["lengths"]), max(cfg["lengths"])})):
+                mine = [r for r in results if r["experiment"] == "precision" and r.get("engine") == engine
+                        and r["length"] == length]
+                seq = [abs(x) for r in mine for x in r["mismatch"]["seq"]]
+                tok = [abs(x) for r in mine for x in r["mismatch"]["tokens"]]
+                style = dict(histtype="step", color=ENGINE_COLORS[engine], linestyle="-" if n == 0 else "--")
+                if seq:
+                    axes[0, 0].hist(np.clip(seq, 1e-9, None), bins=bins, label=f"{engine} L{length}", **style)
+                if tok:
+                    axes[0, 1].hist(np.clip(tok, 1e-9, None), bins=bins, label=f"{engine} L{length}", **style)
+        axes[0, 0].axvline(3e-4, color="tab:blue", linestyle=":", label="GSPO clip 3e-4")
+        axes[0, 0].set(xscale="log", xlabel="|sequence log ratio| trainer vs old, first mini-batch",
+                       ylabel="sequences", title="Sequence-level mismatch (GSPO's log ratio before any update)")
+        axes[0, 1].axvline(0.2, color="tab:red", linestyle=":", label="GRPO clip 0.2")
+        axes[0, 1].set(xscale="log", xlabel="|token log-prob difference| trainer vs old, first mini-batch",
+                       ylabel="sampled tokens", title="Token-level mismatch (GRPO's log ratio before any update)")
+        engines = cfg["engines"]
+        width = 0.8 / (len(cfg["methods"]) * len(cfg["lengths"]))
+        for i, length in enumerate(cfg["lengths"]):
+            for k, method in enumerate(cfg["methods"]):
+                offset = (i * len(cfg["methods"]) + k) * width - 0.4 + width / 2
+                entries = [summary["precision"]["arms"].get(f"{method} L{length} {e}", {}) for e in engines]
+                ys = [max(1e-5, (e.get("clip_frac_first_minibatch") or {}).get("mean") or 0.0) for e in entries]
+                axes[1, 0].bar(np.arange(len(engines)) + offset, ys, width, color=COLORS[method],
+                               alpha=0.5 + 0.5 * i / max(1, len(cfg["lengths"]) - 1), label=f"{method} L{length}")
+                ys = [(e.get("final_reward") or {}).get("mean") or 0.0 for e in entries]
+                es = [(e.get("final_reward") or {}).get("ci95") or 0.0 for e in entries]
+                axes[1, 1].bar(np.arange(len(engines)) + offset, ys, width, yerr=es, capsize=2, color=COLORS[method],
+                               alpha=0.5 + 0.5 * i / max(1, len(cfg["lengths"]) - 1), label=f"{method} L{length}")
+        axes[1, 0].set(yscale="log", ylabel="clip fraction, first mini-batch (GSPO: seqs, GRPO: tokens)",
+                       title="Clipping before any update (pure mismatch)")
+        axes[1, 1].set(ylabel="training reward, last 10% of steps", title="Final reward (95% CI)")
+        for ax in axes[1]:
+            ax.set_xticks(np.arange(len(engines)), engines, fontsize=8, rotation=15)
+        for ax in axes.flat:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        save(fig, "precision.png")
     return paths
 
 
+# -- stamp, curves, main ---------------------------------------------------------------------
+def stamp(argv: list[str]) -> dict:
+    import lightning
+    import torch
+    import transformers
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty_tracked_files": sorted(line[3:] for line in dirty.splitlines()) if dirty else [],
+        "command": " ".join(["python", "experiments/paper_in_miniature.py", *argv]),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "lightning": lightning.__version__},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_at_start": [round(x, 2) for x in os.getloadavg()]},
+    }
+
+
 def _compact(results: list[dict]) -> dict:
-    """Per-step curves per run, rounded (the data behind the plots)."""
-    keep = ["reward/mean", "loss/clip_frac", "loss/clip_frac_tokens", "kl", "moe/routing_change",
-            "loss/ratio_max", "loss/ratio_min"]
+    keep = ["reward/mean", "loss/clip_frac", "loss/clip_frac_tokens", "loss/clip_frac_first_minibatch",
+            "moe/routing_change", "loss/ratio_max", "loss/ratio_min", "response/length_mean", "engine/logprob_abs_diff",
+            "grad_norm", "skipped_updates", "probe/token_abs_diff_max"]
     out: dict[str, Any] = {}
     for r in results:
-        key = f"{r['regime']}/{r['model']}/{r['method']}/seed{r['seed']}"
-        out[key] = {name: [None if v is None else float(f"{v:.3g}") for v in r["history"][name]]
-                    for name in keep if any(v is not None for v in r["history"][name])}
+        key = f"{r['experiment']}/{r['arm']}/seed{r['seed']}"
+        out[key] = {"run": {k: v for k, v in r.items() if k not in ("history", "mismatch")},
+                    "history": {name: [None if v is None else float(f"{v:.3g}") for v in r["history"][name]]
+                                for name in keep if any(v is not None for v in r["history"][name])}}
     return out
 
 
-def _from_curves(curves: dict) -> list[dict]:
-    """Runs (as :func:`run_one` returns them, histories only) back from ``curves.json``."""
+def _from_files(out: Path) -> list[dict]:
+    curves = json.loads((out / "curves.json").read_text())
+    mismatch = json.loads((out / "mismatch.json").read_text())
     results = []
-    for key, history in curves.items():
-        regime, model_key, method, seed = key.split("/")
-        length = len(history["reward/mean"])
-        full = {name: history.get(name, [None] * length) for name in METRICS}
-        results.append({"regime": regime, "model": model_key, "method": method, "seed": int(seed[len("seed"):]),
-                        "history": full})
+    for key, value in curves.items():
+        history = {name: value["history"].get(name, [None] * len(value["history"]["reward/mean"])) for name in METRICS}
+        results.append({**value["run"], "history": history, "mismatch": mismatch.get(key, {"seq": [], "tokens": []})})
     return results
 
 
+def build_setup(smoke: bool, seeds: Optional[list[int]], steps: Optional[int], experiments: list[str]) -> dict:
+    setup = json.loads(json.dumps(SETUP))
+    setup["experiments"] = {k: v for k, v in setup["experiments"].items() if k in experiments}
+    for name, cfg in setup["experiments"].items():
+        if smoke:
+            cfg.update(json.loads(json.dumps(SMOKE[name])))
+        if seeds:
+            cfg["seeds"] = seeds
+        if steps:
+            cfg["steps"] = steps
+    return setup
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"), help="output folder")
-    parser.add_argument("--smoke", action="store_true", help="1 seed, a few steps: checks the pipeline in < 1 min")
-    parser.add_argument("--seeds", type=int, nargs="*", help="override the seeds")
-    parser.add_argument("--regimes", nargs="*", choices=list(SETUP["regimes"]), default=list(SETUP["regimes"]))
-    parser.add_argument("--steps", type=int, help="override the rollout steps of every regime")
-    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--methods", nargs="*", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--smoke", action="store_true", help="every experiment, 1-2 seeds, 2 steps: seconds")
+    parser.add_argument("--experiments", nargs="*", choices=list(SETUP["experiments"]), default=list(SETUP["experiments"]))
+    parser.add_argument("--seeds", type=int, nargs="*", help="override the seeds of every experiment")
+    parser.add_argument("--steps", type=int, help="override the rollout steps of every experiment")
+    parser.add_argument("--set", nargs="*", default=[], metavar="EXP.KEY=JSON",
+                        help="override one setting of an experiment, e.g. moe.lr=0.003 (for exploration; the README's "
+                             "numbers use none)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="runs in parallel (processes, one thread each; default: 2 or the CPU count)")
-    parser.add_argument("--replot", action="store_true",
-                        help="redraw the plots from the summary.json and curves.json in --out; train nothing")
-    parser.add_argument("--smooth", type=int, help=f"moving-average window of the plots (default {SMOOTH}, smoke 1)")
+    parser.add_argument("--replot", action="store_true", help="redraw the plots from the files in --out; train nothing")
+    parser.add_argument("--smooth", type=int, help=f"moving-average window of the curves (default {SMOOTH}, smoke 1)")
     args = parser.parse_args(argv)
 
-    setup = json.loads(json.dumps(SETUP))
-    if args.smoke:
-        setup.update(json.loads(json.dumps(SMOKE)))
-    if args.seeds:
-        setup["seeds"] = args.seeds
-    setup["regimes"] = {name: regime for name, regime in setup["regimes"].items() if name in args.regimes}
-    if args.steps:
-        for regime in setup["regimes"].values():
-            regime["rollout_steps"] = args.steps
-    smooth = args.smooth if args.smooth is not None else (1 if args.smoke else SMOOTH)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
         summary = json.loads((out / "summary.json").read_text())
-        results = _from_curves(json.loads((out / "curves.json").read_text()))
-        if args.smooth is None and len(next(iter(results))["history"]["reward/mean"]) < 3 * SMOOTH:
-            smooth = 1
-        paths = plot(results, summary["setup"], out, smooth)
+        results = _from_files(out)
+        paths = plot(results, summary["results"], summary["setup"], out, args.smooth or SMOOTH)
         print(f"redrew {', '.join(p.name for p in paths)} in {out}")
         return summary
 
-    jobs = [(regime, m, method, seed, {**setup, **params})
-            for regime, params in setup["regimes"].items() for seed in setup["seeds"]
-            for m in args.models for method in args.methods if not (method in MOE_ONLY and m != "moe")]
+    setup = build_setup(args.smoke, args.seeds, args.steps, args.experiments)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        exp, _, name = key.partition(".")
+        if exp not in setup["experiments"] or not name:
+            parser.error(f"--set {item}: expected EXP.KEY=JSON with EXP one of {list(setup['experiments'])}")
+        setup["experiments"][exp][name] = json.loads(value)
+    smooth = args.smooth if args.smooth is not None else (1 if args.smoke else SMOOTH)
+    info = stamp(argv)
+    runs = sorted(plan(setup), key=cost, reverse=True)  # longest first: the pool packs better
     start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory(prefix="paper_in_miniature-") as work_dir:
-        jobs = [(*job, work_dir) for job in jobs]
+        jobs = [(run, work_dir) for run in runs]
         if args.jobs > 1:
             import multiprocessing as mp
 
@@ -434,29 +768,81 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 results.append(_run_job(job))
                 _report(results[-1], len(results), len(jobs), start)
     seconds = time.perf_counter() - start
-    order = list(setup["regimes"]), list(MODELS), list(METHODS)
-    results.sort(key=lambda r: (order[0].index(r["regime"]), order[1].index(r["model"]), order[2].index(r["method"]), r["seed"]))
+    order = {key: i for i, key in enumerate((r["experiment"], r["arm"], r["seed"]) for r in plan(setup))}
+    results.sort(key=lambda r: order[(r["experiment"], r["arm"], r["seed"])])
 
-    summary = summarize(results, setup, seconds)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    info["wall_seconds"] = round(seconds, 1)
+    info["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["seeds"] = {name: cfg["seeds"] for name, cfg in setup["experiments"].items()}
+    info["jobs"] = args.jobs
+    summary = {
+        "stamp": info,
+        "setup": {**setup, "models": MODELS, "methods": METHODS, "engines": ENGINES, "heldout_prompts": HELDOUT_PROMPTS},
+        "definitions": DEFINITIONS,
+        "results": summarize(results, setup),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "curves.json").write_text(json.dumps(_compact(results), separators=(",", ":")) + "\n")
-    paths = plot(results, setup, out, smooth)
-    print(f"wrote summary.json, curves.json, {', '.join(p.name for p in paths)} to {out} in {seconds:.0f} s")
-    for regime, models in summary["results"].items():
-        for model_key, methods in models.items():
-            for method, e in methods.items():
-                print(f"  {regime:8s} {model_key:5s} {method:8s} final reward {e['final_reward_mean']:.3f} ± "
-                      f"{e['final_reward_std']:.3f} (best {e['best_reward_mean']:.3f})  clip {e['mean_clip_frac']:.2e} "
-                      f"{e['clip_frac_unit']}, {e['mean_clip_frac_tokens']:.2e} tokens")
+    (out / "mismatch.json").write_text(json.dumps(
+        {f"{r['experiment']}/{r['arm']}/seed{r['seed']}": r["mismatch"] for r in results if r["experiment"] == "precision"},
+        separators=(",", ":")) + "\n")
+    paths = plot(results, summary["results"], setup, out, smooth)
+    print(f"wrote summary.json, curves.json, mismatch.json, {', '.join(p.name for p in paths)} to {out} in {seconds:.0f} s")
+    print_summary(summary["results"])
     return summary
+
+
+DEFINITIONS = {
+    "mean/ci95": "mean over seeds of a per-seed value, and the half-width of its 95% Student-t interval",
+    "final_reward": "training reward (sampled, temperature 1) averaged over the last 10% of rollout steps",
+    "heldout_reward": "greedy responses of the trained fp32 policy to the 20 held-out digit pairs (never trained on), "
+                      "scored by the task reward; heldout_accuracy: share answered exactly",
+    "clip_frac": "share where the clip is active, mean over rollout steps: sequences for GSPO, tokens for GRPO",
+    "clip_frac_tokens": "the same counted in tokens (GSPO: every token of a clipped sequence), all steps; "
+                        "clip_frac_tokens_late: second half of the steps",
+    "clip_frac_first_minibatch": "clip fraction of the first mini-batch of each rollout, before any update: "
+                                 "nonzero only when pi_old differs from the trainer (engine log-probs)",
+    "ratio (length / lr tables)": "GSPO clip_frac_tokens / GRPO clip_frac_tokens per seed (same initial weights), "
+                                  "geometric mean and 95% interval over seeds",
+    "routing_change": "share of (valid token, MoE layer) whose top-k expert set differs from pi_old's, mean over the "
+                      "training forwards after the first update of each rollout (GRPO+RR: would have changed)",
+    "first_minibatch_mismatch": "trainer minus pi_old log-probs in the first mini-batch of each rollout: |per-sequence "
+                                "mean| (the GSPO log ratio) and |per-token| (GRPO) quantiles, shares beyond each clip",
+    "engine_logprob_abs_diff": "mean |trainer - engine| sampled-token log-prob, first mini-batch (logged by the module)",
+    "drop_from_best": f"best {SMOOTH}-step moving average of the training reward minus final_reward",
+    "log_ratio_min": "log of the smallest importance ratio in a step, mean over steps",
+}
+
+
+def print_summary(results: dict) -> None:
+    for exp, block in results.items():
+        for arm, e in block["arms"].items():
+            fr, ho = e.get("final_reward", {}), e.get("heldout_reward", {})
+            ct = e.get("clip_frac_tokens", {})
+            extra = ""
+            if e.get("routing_change"):
+                extra += f" routing {e['routing_change']['mean']:.3f}"
+            if e.get("first_minibatch_mismatch"):
+                extra += f" mismatch seq p50 {e['first_minibatch_mismatch']['seq_abs_log_ratio'].get('p50')}"
+            if e.get("clip_frac_first_minibatch"):
+                extra += f" clip1st {e['clip_frac_first_minibatch']['mean']:.3g}"
+            print(f"  {exp:9s} {arm:26s} reward {fr.get('mean')} ± {fr.get('ci95')}  held-out {ho.get('mean')} ± "
+                  f"{ho.get('ci95')}  clip tokens {ct.get('mean')}{extra}" + (f"  FAILURES {e['failures']}" if e["failures"] else ""))
+        for row in block.get("by_length", []):
+            print(f"  length {row['length']:4d}: GSPO {row['gspo_tokens']['mean']} GRPO {row['grpo_tokens']['mean']} "
+                  f"ratio {row['ratio']['geo_mean']} (second half {row['ratio_second_half']['geo_mean']})")
+        for row in block.get("by_lr", []):
+            print(f"  lr {row['lr']:g}: GSPO {row['gspo_tokens']['mean']} GRPO {row['grpo_tokens']['mean']} "
+                  f"ratio {row['ratio']['geo_mean']}")
 
 
 def _report(result: dict, done: int, total: int, start: float) -> None:
     reward = [v for v in result["history"]["reward/mean"] if v is not None]
-    tail = reward[-max(1, len(reward) // 10):]
-    print(f"[{done}/{total} {time.perf_counter() - start:5.0f} s] {result['regime']} {result['model']} "
-          f"{result['method']} seed {result['seed']}: final reward {sum(tail) / len(tail):.3f} "
-          f"({result['seconds']:.0f} s)", flush=True)
+    tail = reward[-max(1, len(reward) // 10):] or [float("nan")]
+    held = result["heldout"]["reward"] if result.get("heldout") else float("nan")
+    print(f"[{done}/{total} {time.perf_counter() - start:5.0f} s] {result['experiment']} {result['arm']} seed "
+          f"{result['seed']}: final reward {sum(tail) / len(tail):.3f}, held-out {held:.3f} ({result['seconds']:.0f} s)"
+          + (f" FAILED {result['failure'][:80]}" if result.get("failure") else ""), flush=True)
 
 
 if __name__ == "__main__":

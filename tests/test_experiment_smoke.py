@@ -1,4 +1,5 @@
-"""experiments/paper_in_miniature.py --smoke: the whole pipeline, tiny, into a tmp dir."""
+"""experiments/paper_in_miniature.py --smoke: every experiment of docs/results, tiny, into a
+tmp dir, so that a change that breaks the experiment fails CI."""
 
 import importlib.util
 import json
@@ -7,40 +8,81 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "paper_in_miniature.py"
+PLOTS = ("clip_vs_length.png", "reward_curves.png", "final_rewards.png", "precision.png")
 
 
-@pytest.mark.slow
-def test_smoke_run_writes_summary_and_plots(tmp_path):
+def load_experiment():
     spec = importlib.util.spec_from_file_location("paper_in_miniature", SCRIPT)
     experiment = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(experiment)
+    return experiment
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_stamped_summary_and_plots(tmp_path):
+    experiment = load_experiment()
     summary = experiment.main(["--smoke", "--jobs", "1", "--out", str(tmp_path)])
 
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["results"] == json.loads(json.dumps(summary["results"]))
-    assert set(on_disk["results"]) == {"standard", "stress"}
-    for regime, models in on_disk["results"].items():
-        assert set(models) == {"dense", "moe"}
-        assert set(models["dense"]) == {"GSPO", "GRPO"}
-        assert set(models["moe"]) == {"GSPO", "GRPO", "GRPO+RR"}
-        for model, methods in models.items():
-            for method, entry in methods.items():
-                for key in ("final_reward_mean", "final_reward_std", "mean_clip_frac", "mean_clip_frac_tokens",
-                            "clip_frac_unit", "final_kl_to_init", "optimizer_steps"):
-                    assert entry[key] is not None, (regime, model, method, key)
-                assert 0.0 <= entry["final_reward_mean"] <= 1.0
-                # equal compute: 4 optimizer steps per rollout for every method
-                assert entry["optimizer_steps"] == 4 * on_disk["setup"]["regimes"][regime]["rollout_steps"]
-                assert entry["clip_frac_unit"] == ("sequences" if method == "GSPO" else "tokens")
-            for method in ("GSPO", "GRPO", "GRPO+RR"):
-                assert 0.0 <= models["moe"][method]["mean_routing_change"] <= 1.0
-    for name in ("reward_curves.png", "clip_fraction.png", "kl.png", "importance_ratios.png", "routing_change.png"):
-        path = tmp_path / name
-        assert path.is_file() and 1000 < path.stat().st_size < 300_000, name
-    curves = json.loads((tmp_path / "curves.json").read_text())
-    assert "stress/moe/GRPO+RR/seed0" in curves and "reward/mean" in curves["stress/moe/GRPO+RR/seed0"]
+    stamp = on_disk["stamp"]
+    assert len(stamp["commit"]) == 40 and isinstance(stamp["dirty_tracked_files"], list)
+    assert stamp["command"].endswith(f"--smoke --jobs 1 --out {tmp_path}")
+    assert set(stamp["versions"]) == {"python", "torch", "transformers", "lightning"}
+    assert stamp["wall_seconds"] > 0 and stamp["seeds"]["dense"] == [0, 1]
+    results = on_disk["results"]
+    assert set(results) == {"length", "dense", "moe", "precision"}
 
-    # the plots can be redrawn from the saved curves alone
-    (tmp_path / "reward_curves.png").unlink()
+    # equal compute: every arm of an experiment takes the same optimizer steps
+    for exp, block in results.items():
+        steps = {arm: e["optimizer_steps"] for arm, e in block["arms"].items()}
+        cfg = on_disk["setup"]["experiments"][exp]
+        assert set(steps.values()) == {cfg["steps"] * cfg["mini_batches"]}, (exp, steps)
+        for arm, e in block["arms"].items():
+            assert 0.0 <= e["final_reward"]["mean"] <= 1.0 and 0.0 <= e["heldout_reward"]["mean"] <= 1.0, (exp, arm)
+            assert e["clip_frac_tokens"]["mean"] is not None and not e["failures"], (exp, arm)
+    dense = results["dense"]["arms"]["GSPO"]
+    assert dense["final_reward"]["n"] == 2 and dense["final_reward"]["ci95"] is not None  # a 95% interval over seeds
+
+    # clip fraction by length and learning rate, as paired GSPO / GRPO ratios
+    assert [row["length"] for row in results["length"]["by_length"]] == [8]
+    assert len(results["length"]["by_lr"]) == 2 and results["length"]["by_length"][0]["ratio"]["geo_mean"] > 0
+
+    # MoE: GSPO, GRPO and GRPO with Routing Replay; routing change measured for all three
+    assert set(results["moe"]["arms"]) == {"GSPO", "GRPO", "GRPO+RR"}
+    for e in results["moe"]["arms"].values():
+        assert 0.0 <= e["routing_change"]["mean"] <= 1.0
+
+    # precision: engine log-probs as pi_old; the mismatch is measured, and zero with recompute
+    precision = results["precision"]["arms"]
+    assert set(precision) == {f"{m} L8 {e}" for m in ("GSPO", "GRPO")
+                              for e in ("fp32 recompute", "bf16 engine", "bf16+fp8 recompute")}
+    bf16 = precision["GSPO L8 bf16 engine"]
+    assert bf16["first_minibatch_mismatch"]["seq_abs_log_ratio"]["p50"] > 1e-5
+    assert precision["GSPO L8 fp32 recompute"]["first_minibatch_mismatch"]["seq_abs_log_ratio"]["max"] < 1e-5
+    assert 0 < bf16["engine_logprob_abs_diff"]["mean"] < 0.1
+
+    for name in PLOTS:
+        path = tmp_path / name
+        assert path.is_file() and 1000 < path.stat().st_size < 400_000, name
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert "moe/GRPO+RR/seed0" in curves and "reward/mean" in curves["moe/GRPO+RR/seed0"]["history"]
+
+    # the plots can be redrawn from the saved files alone
+    for name in PLOTS:
+        (tmp_path / name).unlink()
     experiment.main(["--replot", "--out", str(tmp_path)])
-    assert (tmp_path / "reward_curves.png").is_file()
+    assert all((tmp_path / name).is_file() for name in PLOTS)
+
+
+def test_plan_has_equal_compute_and_enough_seeds():
+    """The full run's plan: >= 5 seeds where methods are compared on reward, one compute budget per experiment."""
+    experiment = load_experiment()
+    setup = experiment.build_setup(False, None, None, list(experiment.SETUP["experiments"]))
+    runs = experiment.plan(setup)
+    for exp in ("dense", "moe"):
+        assert len(setup["experiments"][exp]["seeds"]) >= 5
+    assert setup["experiments"]["length"]["lengths"][0] <= 16 and setup["experiments"]["length"]["lengths"][-1] >= 256
+    for exp in setup["experiments"]:
+        budgets = {(r["steps"], r["prompts"], r["group"], r["mini_batches"]) for r in runs if r["experiment"] == exp}
+        assert len(budgets) == 1, (exp, budgets)

@@ -60,6 +60,18 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
             shared_expert_intermediate_size=64, decoder_sparse_step=1, output_router_logits=False,
         ),
     ),
+    # a Qwen3-MoE: 4 layers of 16 experts, top-2, renormalized, no shared expert, so every token
+    # is computed by the 2 experts its router picks: routing drift moves token log-probs
+    # (experiments/paper_in_miniature.py, the Routing Replay claim)
+    "tiny-moe16-echo": TinyModelSpec(
+        words=ECHO_WORDS,
+        model_type="qwen3_moe",
+        num_hidden_layers=4,
+        extra_config=dict(
+            num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False, head_dim=16,
+        ),
+    ),
     # real text: BPE trained on the shipped GSM8K questions and answers
     "tiny-gsm8k": TinyModelSpec(tokenizer="bpe", corpus="gsm8k", bpe_vocab_size=2000, hidden_size=64),
     # a small model whose memory is dominated by a 32k vocabulary (benchmarks)
