@@ -183,12 +183,13 @@ def test_a_model_loaded_from_a_folder_trains_in_train_mode_with_working_checkpoi
         module.configure_model()
         # a sub-module of a layer: transformers checkpoints the layer's forward, not its hooks
         layer = module.policy.get_decoder().layers[0].mlp
-        seen = {"train_forwards": 0, "modes": set()}
+        seen = {"modes": set(), "in_backward": 0}
 
         def hook(mod, args):
-            if torch.is_grad_enabled():  # forwards under autograd: training forwards and recomputation
-                seen["train_forwards"] += 1
+            if torch.is_grad_enabled():  # training forwards and recomputation
                 seen["modes"].add(mod.training)
+                # a forward while autograd runs a backward is a checkpoint recomputation
+                seen["in_backward"] += int(torch._C._current_graph_task_id() != -1)
 
         layer.register_forward_pre_hook(hook)
         fit(module, tmp_path / str(checkpointing), max_steps=1)
@@ -197,8 +198,8 @@ def test_a_model_loaded_from_a_folder_trains_in_train_mode_with_working_checkpoi
 
     plain, checkpointed = run(False), run(True)
     assert plain["modes"] == {True} and checkpointed["modes"] == {True}
-    assert plain["train_forwards"] == 1
-    assert checkpointed["train_forwards"] == 2  # forward + recomputation in backward
+    assert plain["in_backward"] == 0
+    assert checkpointed["in_backward"] >= 1  # recomputed in backward: checkpointing is active
 
 
 class PoisonedLoss(GSPOModule):
