@@ -1,4 +1,5 @@
-"""Pieces both benchmark children share: the reward, the prompts, memory and timing probes.
+"""Pieces the benchmark parent and children share: the models, the prompts, the reward,
+the FLOP count, and the memory, timing and contention probes.
 
 Nothing here imports gspo_lightning or trl at module level, so either child pays only for
 its own framework's imports.
@@ -17,11 +18,12 @@ from pathlib import Path
 
 @dataclass
 class BenchConfig:
-    """One measurement: the same numbers go to gspo-lightning and to TRL."""
+    """One TRL measurement (``_trl_child.py``); the ``gspo fit`` config of the same cell
+    carries the same numbers (``bench_grid.gspo_config``)."""
 
-    size: str
+    size: str  # the grid cell's name
     model_dir: str  # a saved Hugging Face folder (built once by the parent)
-    prompts_file: str  # jsonl with a "prompt" column, already filtered to <= max_prompt_tokens
+    prompts_file: str  # jsonl with a "prompt" column
     prompts_per_step: int
     group_size: int
     response_length: int
@@ -31,9 +33,6 @@ class BenchConfig:
     threads: int = 2
     seed: int = 0
     out_dir: str = ""
-    cprofile: str = ""  # gspo child only: write a cProfile of the measured steps here
-    gspo_overrides: dict = field(default_factory=dict)  # extra GSPOModule arguments (experiments)
-    gspo_patch: str = ""  # a Python file the gspo child runs before building the module (experiments)
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -51,22 +50,122 @@ def bench_reward(prompts, completions, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in text) / (1 + len(text)) for text in completions]
 
 
-def write_prompts(tokenizer, source: str, out: Path, max_tokens: int, count: int) -> dict:
-    """The first ``count`` GSM8K questions of at most ``max_tokens`` tokens, as ``{"prompt": q}`` rows."""
+def write_prompts(tokenizer, source: str, out: Path, tokens: int, count: int) -> dict:
+    """The first ``count`` GSM8K questions cut to their first ``tokens`` tokens (decoded back
+    to text), as ``{"prompt": text}`` rows: every cell of the grid gets prompts of about the
+    same length in tokens, whatever its vocabulary."""
     rows, lengths = [], []
     with open(source) as handle:
         for line in handle:
-            question = json.loads(line)["question"]
-            n = len(tokenizer(question, add_special_tokens=False)["input_ids"])
-            if n <= max_tokens:
-                rows.append({"prompt": question})
+            ids = tokenizer(json.loads(line)["question"], add_special_tokens=False)["input_ids"][:tokens]
+            text = tokenizer.decode(ids).strip()
+            n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if 0 < n <= tokens:
+                rows.append({"prompt": text})
                 lengths.append(n)
             if len(rows) == count:
                 break
+    if len(rows) < count:
+        raise RuntimeError(f"only {len(rows)} prompts in {source}, {count} wanted")
     with open(out, "w") as handle:
         for row in rows:
             handle.write(json.dumps(row) + "\n")
     return {"prompts": len(rows), "prompt_tokens_mean": statistics.mean(lengths), "prompt_tokens_max": max(lengths)}
+
+
+# -- models ------------------------------------------------------------------------------
+# Vocabularies: BPE trained on GSM8K. 32k pads an 8k BPE to 32,000 rows, as real 32k models
+# carry rows the text never uses: compute and memory follow the padded size.
+VOCABS = {
+    "100": dict(bpe_vocab_size=100),
+    "2k": dict(bpe_vocab_size=2000),
+    "32k": dict(bpe_vocab_size=8000, vocab_size=32000),
+}
+# Model sizes by decoder (non-embedding) parameters; embeddings are tied to the head and
+# add vocab x hidden on top (the tables give the total).
+MODEL_SIZES = {
+    "0.6M": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "25M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4),
+}
+
+
+def build_bench_model(vocab: str, size: str, folder: Path, seed: int) -> dict:
+    """Build a Qwen2 model of ``size`` with the ``vocab`` tokenizer from ``seed`` and save it
+    as a Hugging Face folder both frameworks load. Returns its shape for the FLOP count."""
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from gspo_lightning.tasks.tiny import TinyModelSpec, build_config, build_tokenizer
+
+    spec = TinyModelSpec(tokenizer="bpe", corpus="gsm8k", model_type="qwen2", max_position_embeddings=1024,
+                         **VOCABS[vocab], **MODEL_SIZES[size])
+    tokenizer = build_tokenizer(spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(build_config(spec, tokenizer), dtype=torch.float32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # the tokenizer trap (DESIGN.md): reload with the explicit class and check a round trip
+    reloaded = PreTrainedTokenizerFast.from_pretrained(folder)
+    text = "Natalia sold 48 clips in April."
+    if reloaded.decode(reloaded(text)["input_ids"]) != text:
+        raise RuntimeError(f"tokenizer of {folder} does not round-trip {text!r}")
+    config = model.config
+    embedding = config.vocab_size * config.hidden_size
+    total = sum(p.numel() for p in model.parameters())
+    return {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
+            "params_m": total / 1e6, "decoder_params_m": (total - embedding) / 1e6,
+            "decoder_matmul_params": _decoder_matmul_params(model), "tokenizer": reloaded}
+
+
+def _decoder_matmul_params(model) -> int:
+    """Weights of the decoder's linear layers: 2 FLOPs each per token in a forward."""
+    import torch
+
+    return sum(m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear))
+
+
+def step_flops(shape: dict, prompts: int, group: int, prompt_tokens: float, response_tokens: int) -> dict:
+    """Model FLOPs (fp32 matmuls) one step needs, counting each prompt once:
+
+    generation: each prompt prefilled once (decoder; the head at its last position), then
+    ``response_tokens - 1`` decode steps of ``prompts x group`` rows (decoder, attention over
+    the context so far, head); training: forward + backward (3x the forward) of the decoder
+    over each prompt once and every response, of the attention of those tokens over their
+    context, and of the head over the response positions only.
+    """
+    dec = 2 * shape["decoder_matmul_params"]  # per token
+    head = 2 * shape["hidden_size"] * shape["vocab_size"]  # per projected position
+    attn = 4 * shape["hidden_size"] * shape["layers"]  # per token per context position (QK^T and AV)
+    rows = prompts * group
+    p, r = prompt_tokens, response_tokens
+    prompt_pass = prompts * (p * dec + attn * p * (p + 1) / 2)
+    prefill = prompt_pass + prompts * head
+    decode = rows * sum(dec + head + attn * (p + t + 1) for t in range(1, r))
+    responses = rows * sum(dec + head + attn * (p + t + 1) for t in range(r))
+    train = 3 * (prompt_pass + responses)
+    return {"generate": prefill + decode, "train": train, "total": prefill + decode + train}
+
+
+def matmul_rate(threads: int, seconds: float = 2.0) -> float:
+    """Best fp32 matmul rate (FLOP/s) of this machine at ``threads`` threads, over square
+    and step-shaped products (the FLOP limit of a step divides by it)."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(threads)
+    best = 0.0
+    for m, k, n in [(1024, 1024, 1024), (2048, 512, 1536), (2048, 512, 8192), (1024, 128, 2048)]:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b  # warm-up
+        deadline = time.perf_counter() + seconds / 4
+        while time.perf_counter() < deadline:
+            t = time.perf_counter()
+            a @ b
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t))
+    return best
 
 
 # -- contention ------------------------------------------------------------------------
