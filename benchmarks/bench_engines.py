@@ -6,7 +6,7 @@ this one process, as in training, and take turns: HF, vLLM, HF, vLLM, ... with t
 seeds, so machine load hits both alike. Every response runs to the full length (no
 end-of-sequence token), so both engines generate the same number of tokens.
 
-    .venv-vllm/bin/python benchmarks/bench_engines.py               # both cases, ~3 min on 2 cores
+    .venv-vllm/bin/python benchmarks/bench_engines.py --threads 1   # both cases, ~3-5 min on 2 cores
     .venv-vllm/bin/python benchmarks/bench_engines.py --case quickstart --repeats 3
 """
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 # case -> model, prompt source, rollout shape (prompts x samples, tokens per response)
 CASES = {
@@ -35,6 +35,7 @@ CASES = {
 # no end-of-sequence token: every response runs to response_length (the HF engine needs an
 # id it never samples, vLLM an empty list: it checks stop ids against the vocabulary)
 NO_EOS = {"hf": [-1], "vllm": []}
+QUIET = 0.10  # a round is quiet when other processes used less than this share of the cores
 
 
 def prompt_ids(tok, case: dict) -> list[list[int]]:
@@ -62,6 +63,8 @@ def logprob_gap(policy, prompts, gen, n: int, pad_id: int) -> dict:
 
 def run_case(name: str, case: dict, repeats: int) -> dict:
     import torch
+
+    from _common import machine_busy_s
 
     from gspo_lightning.rollout import EngineSpec, HFEngine, SamplingParams, VLLMEngine
     from gspo_lightning.rollout.weight_sync import iter_policy_weights
@@ -92,22 +95,29 @@ def run_case(name: str, case: dict, repeats: int) -> dict:
     result["push_bytes"] = stats["bytes"]
 
     times = {kind: [] for kind in engines}
+    others = {kind: [] for kind in engines}  # share of the cores other processes used meanwhile
     for repeat in range(repeats + 1):  # the first round warms up
         for kind, engine in engines.items():
-            start = time.perf_counter()
+            busy, own, start = machine_busy_s(), time.process_time(), time.perf_counter()
             gen = engine.generate(prompts, case["group"], params, seed=repeat)
             elapsed = time.perf_counter() - start
+            other = max(0.0, (machine_busy_s() - busy - (time.process_time() - own)) / (elapsed * os.cpu_count()))
             if not bool((gen.lengths == case["response_length"]).all()):
                 raise RuntimeError(f"{kind}: responses shorter than {case['response_length']} tokens")
             if repeat:
                 times[kind].append(elapsed)
+                others[kind].append(other)
             else:
                 result[f"{kind}_logprob_gap"] = logprob_gap(policy, prompts, gen, case["group"], tok.pad_token_id)
     tokens = len(prompts) * case["group"] * case["response_length"]
     for kind in engines:
-        result[f"{kind}_generate_s"] = statistics.median(times[kind])
+        # medians over the rounds where other processes used < 10% of the machine, if any
+        quiet = [t for t, o in zip(times[kind], others[kind]) if o < QUIET] or times[kind]
+        result[f"{kind}_generate_s"] = statistics.median(quiet)
+        result[f"{kind}_quiet_rounds"] = sum(o < QUIET for o in others[kind])
         result[f"{kind}_tokens_per_s"] = tokens / result[f"{kind}_generate_s"]
         result[f"{kind}_generate_all_s"] = times[kind]
+        result[f"{kind}_other_load"] = others[kind]
     result["tokens"] = tokens
     for engine in engines.values():
         engine.close()
@@ -123,14 +133,17 @@ def busy_share(start_busy: float, start_own: float, seconds: float) -> float:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| case | model | prompts x G x tokens | HF engine (s) | vLLM (s) | HF / vLLM | vLLM start (s) | push (s) | log-prob gap HF / vLLM (max) |",
+    lines = ["| case | model | prompts x G x tokens | HF engine (s) | vLLM (s) | vLLM / HF | vLLM start (s) | push (s) | log-prob gap HF / vLLM (max) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        hf, vl = r["hf_generate_all_s"], r["vllm_generate_all_s"]
         lines.append(
             f"| {r['case']} | `{r['model']}` ({r['params'] / 1e6:.2f}M, vocab {r['vocab']:,}) | "
-            f"{r['prompts']} x {r['group']} x {r['response_length']} | {r['hf_generate_s']:.3f} | {r['vllm_generate_s']:.3f} | "
-            f"{r['hf_generate_s'] / r['vllm_generate_s']:.2f}x | {r['vllm_start_s']:.1f} | {r['vllm_push_s']:.3f} | "
+            f"{r['prompts']} x {r['group']} x {r['response_length']} | {r['hf_generate_s']:.3f} ({min(hf):.3f}) | "
+            f"{r['vllm_generate_s']:.3f} ({min(vl):.3f}) | {r['vllm_generate_s'] / r['hf_generate_s']:.2f}x | "
+            f"{r['vllm_start_s']:.1f} | {r['vllm_push_s']:.3f} | "
             f"{r['hf_logprob_gap']['max']:.1e} / {r['vllm_logprob_gap']['max']:.1e} |")
+    lines.append("generation: median over the quiet timed rounds (all rounds if none was quiet), (min)")
     return "\n".join(lines)
 
 
@@ -139,13 +152,12 @@ def main(argv=None) -> None:
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="default: all")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per engine (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(HERE / "results" / "engines_cpu2.json"))
+    parser.add_argument("--out", help="default: results/engines_cpu2_threads<threads>.json")
     args = parser.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(HERE))
     from _common import machine_busy_s, versions
 
     start, busy, own = time.perf_counter(), machine_busy_s(), time.process_time()
@@ -156,10 +168,11 @@ def main(argv=None) -> None:
     report = {"threads": args.threads, "cpus": os.cpu_count(), "seconds": seconds,
               "other_load": busy_share(busy, own, seconds), "versions": {**versions(), "vllm": vllm.__version__},
               "results": results}
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    out = args.out or str(HERE / "results" / f"engines_cpu2_threads{args.threads}.json")
+    Path(out).write_text(json.dumps(report, indent=1))
     print(table(results))
     print(f"{seconds:.0f} s; other processes used {100 * report['other_load']:.0f}% of the machine meanwhile; "
-          f"results in {args.out}")
+          f"results in {out}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from gspo_lightning.rollout import vllm as vllm_engine
 from gspo_lightning.rollout.engine import EngineSpec, Generation, SamplingParams
 from gspo_lightning.rollout.vllm import (
-    CPU_INSTALL, CUDA_INSTALL, VLLMEngine, import_vllm, platform_problem, process_state_kept, request_seeds,
+    CPU_INSTALL, CUDA_INSTALL, VLLMEngine, VLLMStartError, import_vllm, platform_problem, process_state_kept, request_seeds,
     resolve_max_model_len, sampling_kwargs, save_engine_config, slice_generation, tensor_parallel_groups,
 )
 
@@ -43,7 +43,7 @@ def tiny_h32():
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
 def test_missing_vllm_is_one_line_naming_the_install_command(tiny_h32):
     model, tok = tiny_h32
-    with pytest.raises(RuntimeError) as error:
+    with pytest.raises(VLLMStartError) as error:
         VLLMEngine().start(spec_for(model, tok))
     message = str(error.value)
     assert "\n" not in message and "not installed" in message
@@ -66,7 +66,7 @@ def test_an_import_broken_by_torchvision_says_what_to_remove(monkeypatch):
 
     monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", lambda name, *a: object())
     monkeypatch.setattr(vllm_engine.importlib, "import_module", broken)
-    with pytest.raises(RuntimeError, match="pip uninstall -y torchvision torchaudio torchcodec"):
+    with pytest.raises(VLLMStartError, match="pip uninstall -y torchvision torchaudio torchcodec"):
         import_vllm()
 
 
@@ -223,7 +223,7 @@ def test_a_model_vllm_cannot_run_fails_at_start_naming_model_and_engine(tiny_ech
         pytest.skip("tiny-echo's head size (16) runs on CUDA; the CPU attention has no kernel for it")
     model, tok = tiny_echo
     engine = VLLMEngine()
-    with pytest.raises(RuntimeError, match=rf"VLLMEngine cannot run model 'builtin:tiny-echo' \({type(model).__name__}\)"):
+    with pytest.raises(VLLMStartError, match=rf"VLLMEngine cannot run model 'builtin:tiny-echo' \({type(model).__name__}\)"):
         engine.start(spec_for(model, tok, name="builtin:tiny-echo"))
     assert engine.llm is None
 
@@ -236,7 +236,7 @@ def test_an_architecture_vllm_does_not_know_fails_at_start(tiny_h32):
     model, tok = tiny_h32
     unknown = copy.deepcopy(model)
     unknown.config.architectures = ["GspoNoSuchModelForCausalLM"]
-    with pytest.raises(RuntimeError, match=r"VLLMEngine cannot run model 'builtin:tiny-echo-h32' \(GspoNoSuchModelForCausalLM\)"):
+    with pytest.raises(VLLMStartError, match=r"VLLMEngine cannot run model 'builtin:tiny-echo-h32' \(GspoNoSuchModelForCausalLM\)"):
         VLLMEngine().start(spec_for(unknown, tok))
 
 

