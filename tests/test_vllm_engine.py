@@ -6,6 +6,7 @@ marked ``vllm`` build real engines and run in the vLLM environment of ``.ci/run`
 Face engine is ``tests/test_engine_contract.py``.
 """
 
+import copy
 import importlib.util
 import random
 
@@ -117,6 +118,31 @@ def test_a_builtin_model_folder_names_its_architecture(tiny_h32, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [type(model).__name__]
     assert model.config.architectures is None  # the policy's own config is left as it was
     assert not list(tmp_path.glob("*.safetensors"))  # weights come from the first push
+
+
+def test_an_fsdp2_policy_is_named_by_its_hugging_face_class(tiny_h32, tmp_path):
+    import json
+
+    from gspo_lightning.rollout.vllm import model_class_name
+
+    class FSDPModule:  # fully_shard swaps the class for FSDP<name>(FSDPModule, <name>)
+        pass
+
+    model, _ = tiny_h32
+    sharded = copy.deepcopy(model)
+    sharded.__class__ = type(f"FSDP{type(model).__name__}", (FSDPModule, type(model)), {})
+    assert model_class_name(sharded) == type(model).__name__
+    save_engine_config(sharded, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [type(model).__name__]
+
+
+def test_an_error_reason_skips_links_and_is_cut():
+    from gspo_lightning.rollout.vllm import short_reason
+
+    error = ValueError("1 validation error for ModelConfig\n  Value error, Model architectures ['X'] are not "
+                       "supported for now. Supported architectures: " + "A, " * 500 + "\n    For further information visit x")
+    reason = short_reason(error)
+    assert reason.startswith("Value error, Model architectures ['X'] are not supported") and reason.endswith(" ...")
 
 
 def test_process_state_is_kept_across_a_vllm_start():
@@ -231,8 +257,6 @@ def test_a_model_vllm_cannot_run_fails_at_start_naming_model_and_engine(tiny_ech
 @pytest.mark.vllm
 @needs_vllm
 def test_an_architecture_vllm_does_not_know_fails_at_start(tiny_h32):
-    import copy
-
     model, tok = tiny_h32
     unknown = copy.deepcopy(model)
     unknown.config.architectures = ["GspoNoSuchModelForCausalLM"]

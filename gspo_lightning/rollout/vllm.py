@@ -211,6 +211,23 @@ def launcher_env(rank: int, local_rank: int, world_size: int, environ=os.environ
     return env
 
 
+def model_class_name(policy: nn.Module) -> str:
+    """The Hugging Face class of ``policy``: FSDP2's ``fully_shard`` swaps in a subclass
+    named ``FSDP<name>``, which no engine knows."""
+    for cls in type(policy).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(policy).__name__
+
+
+def short_reason(error: BaseException, limit: int = 300) -> str:
+    """The line of an error that says what went wrong (vLLM's config errors end in a link)."""
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line.strip().startswith("For further information")]
+    reason = lines[-1] if lines else type(error).__name__
+    return reason if len(reason) <= limit else reason[:limit] + " ..."
+
+
 def save_engine_config(policy: nn.Module, out_dir: str | Path) -> Path:
     """The config and generation config of ``policy``, without weights, for vLLM to build from.
 
@@ -220,7 +237,7 @@ def save_engine_config(policy: nn.Module, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     config = copy.deepcopy(policy.config)
     if not getattr(config, "architectures", None):  # a config built in memory names none
-        config.architectures = [type(policy).__name__]
+        config.architectures = [model_class_name(policy)]
     config.save_pretrained(out)
     generation_config = getattr(policy, "generation_config", None)
     if generation_config is not None:
@@ -230,7 +247,7 @@ def save_engine_config(policy: nn.Module, out_dir: str | Path) -> Path:
 
 def architectures_of(spec: EngineSpec) -> str:
     config = getattr(spec.policy, "config", None)
-    names = getattr(config, "architectures", None) or ([type(spec.policy).__name__] if spec.policy is not None else [])
+    names = getattr(config, "architectures", None) or ([model_class_name(spec.policy)] if spec.policy is not None else [])
     return ", ".join(names) or "architecture unknown"
 
 
@@ -398,10 +415,9 @@ class VLLMEngine(RolloutEngine):
         except Exception as error:
             self.close()
             _, version = vllm_distribution()
-            message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
             raise VLLMStartError(
                 f"VLLMEngine cannot run model {spec.model_name_or_path!r} ({architectures_of(spec)}) with vLLM {version} "
-                f"on {self.device_type}: {message}. Use the Hugging Face engine (remove model.engine) or a model this "
+                f"on {self.device_type}: {short_reason(error)}. Use the Hugging Face engine (remove model.engine) or a model this "
                 "vLLM supports") from error
         self._sampling_params_cls = vllm.SamplingParams
         if self.tensor_parallel_size > 1:
