@@ -205,12 +205,15 @@ def _tiny_lm(model_type, **extra):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
-def test_kv_decoder_reproduces_the_model_forward(model_type):
-    """Decode steps over the preallocated cache give the logits of a full forward over
+def test_kv_decoder_reproduces_the_model_forward(model_type, fuse, monkeypatch):
+    """Decode steps over the preallocated cache, with fused projection weights (small
+    models) or the model's own projections, give the logits of a full forward over
     [left-padded prompt | fed tokens], for every row (repeated prompts, GQA, left padding)."""
     from gspo_lightning.rollout import kv_decode
 
+    monkeypatch.setattr(kv_decode, "_FUSE_MAX_BYTES", 2**40 if fuse else 0)
     model = _tiny_lm(model_type)
     assert kv_decode.supports(model)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
@@ -220,6 +223,7 @@ def test_kv_decoder_reproduces_the_model_forward(model_type):
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         decoder = kv_decode.KVDecoder(model, out.past_key_values, mask, repeat, feeds)
+        assert (decoder.fused is not None) == fuse
         fed = torch.randint(3, 50, (len(prompts) * repeat, feeds), generator=torch.Generator().manual_seed(0))
         full_ids = torch.cat([ids.repeat_interleave(repeat, 0), fed], 1)
         full_mask = torch.cat([mask.repeat_interleave(repeat, 0), torch.ones_like(fed)], 1)

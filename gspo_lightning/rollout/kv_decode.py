@@ -13,7 +13,11 @@ Hugging Face forward: :func:`supports` says which.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 _MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
@@ -87,6 +91,7 @@ class KVDecoder:
         self.cos = cos[0][:, None, None, :]
         self.signed_sin = (sin[0] * sign)[:, None, None, :]
         self.half = half
+        self.fused = [_FusedLayer.build(layer) for layer in self.decoder.layers] if _fusion_pays(self.decoder) else None
 
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
@@ -110,23 +115,83 @@ class KVDecoder:
             x = _norm(layer.input_layernorm, hidden)
             keys, values = self.keys[index], self.values[index]
             kv_heads = keys.shape[1]
-            q = attn.q_proj(x).view(rows, kv_heads, -1, head_dim)  # query heads grouped by their key/value head
-            k = attn.k_proj(x).view(rows, kv_heads, 1, head_dim)
+            fused = self.fused[index] if self.fused is not None else None
+            if fused is not None and fused.qkv is not None:
+                q, k, v = F.linear(x, *fused.qkv).split(fused.qkv_sizes, dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.view(rows, kv_heads, -1, head_dim)  # query heads grouped by their key/value head
+            k = k.view(rows, kv_heads, 1, head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
                 q, k = attn.q_norm(q), attn.k_norm(k)
             groups = q.shape[2]
             qk = torch.cat((q, k), dim=2)  # one rotary embedding for both
             qk = torch.addcmul(qk * cos, qk.roll(self.half, dims=-1), signed_sin)
             keys[:, :, column] = qk[:, :, groups]
-            values[:, :, column] = attn.v_proj(x).view(rows, kv_heads, head_dim)
+            values[:, :, column] = v.view(rows, kv_heads, head_dim)
             scores = torch.matmul(qk[:, :, :groups], keys[:, :, :self.length].transpose(-1, -2))
             scores = torch.addcmul(bias, scores, _scalar(attn.scaling, scores))  # scaling * (q.k) + mask
             probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
                 torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
             out = torch.matmul(probs, values[:, :, :self.length]).view(rows, -1)
             hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+            x = _norm(layer.post_attention_layernorm, hidden)
+            if fused is not None and fused.gate_up is not None:
+                gate, up = F.linear(x, fused.gate_up).chunk(2, dim=-1)
+                hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                hidden = hidden + layer.mlp(x)
         return self.head(_norm(self.decoder.norm, hidden)).float()
+
+
+# Fused copies of the q/k/v and gate/up weights (rebuilt for every generation: the weights
+# change between rollouts) save three matmul calls per layer and step, which pays where a
+# call costs more than its arithmetic; the copies cost memory, so only small models get them.
+_FUSE_MAX_BYTES = 64 * 2**20
+
+
+def _fusion_pays(decoder: nn.Module) -> bool:
+    size = 0
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)):
+            if type(proj) is nn.Linear:
+                size += proj.weight.numel() * proj.weight.element_size()
+    return size <= _FUSE_MAX_BYTES
+
+
+@dataclass
+class _FusedLayer:
+    qkv: Optional[tuple[Tensor, Optional[Tensor]]]  # (weight, bias) of q|k|v, or None: separate calls
+    qkv_sizes: tuple[int, int, int]
+    gate_up: Optional[Tensor]  # weight of gate|up, or None: the MLP module itself
+
+    @staticmethod
+    def build(layer: nn.Module) -> "_FusedLayer":
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv, sizes = None, (0, 0, 0)
+        if all(_plain_linear(p) for p in projections):  # no adapters, no hooks of their own
+            weight = torch.cat([p.weight for p in projections]).detach()
+            bias = None
+            if any(p.bias is not None for p in projections):
+                bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                  for p in projections]).detach()
+            qkv, sizes = (weight, bias), tuple(p.out_features for p in projections)
+        gate_up = None
+        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+        if (_plain_linear(gate) and _plain_linear(up) and gate.bias is None and up.bias is None
+                and hasattr(mlp, "down_proj") and hasattr(mlp, "act_fn") and not _hooked(mlp)):
+            gate_up = torch.cat([gate.weight, up.weight]).detach()
+        return _FusedLayer(qkv, sizes, gate_up)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _plain_linear(module) -> bool:
+    return type(module) is nn.Linear and not _hooked(module)
 
 
 _SCALARS: dict = {}
@@ -145,7 +210,7 @@ def _norm(module: nn.Module, x: Tensor) -> Tensor:
     eps = getattr(module, "variance_epsilon", None)
     if eps is None or x.dtype != torch.float32 or type(module).__name__ not in _RMS_NORMS:
         return module(x)
-    return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, eps)
+    return F.rms_norm(x, module.weight.shape, module.weight, eps)
 
 
 _RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
