@@ -118,6 +118,9 @@ def continue_log_versions(loggers, ckpt_path: str) -> None:
     import importlib
 
     from jsonargparse import Namespace
+    from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+
+    from gspo_lightning.loggers import CSVLogger as ContinuingCSVLogger
 
     for entry in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(entry, "init_args", None)
@@ -125,6 +128,8 @@ def continue_log_versions(loggers, ckpt_path: str) -> None:
             continue
         module, _, name = entry.class_path.rpartition(".")
         cls = getattr(importlib.import_module(module), name)  # a re-exported class has another path
+        if issubclass(cls, LightningCSVLogger) and not issubclass(cls, ContinuingCSVLogger):
+            continue  # Lightning's own CSVLogger deletes the metrics.csv of an existing version
         class_name = f"{cls.__module__}.{cls.__qualname__}"
         for identity in saved:
             same_place = Path(str(args.get("save_dir", ""))).resolve() == Path(identity["save_dir"]).resolve()

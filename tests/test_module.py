@@ -154,8 +154,14 @@ class NoisyEngine(HFEngine):
         return generation
 
 
+def reward_by_text(prompts, completions, **columns):
+    """Scores that vary within every group, whatever the policy samples (advantages are never all 0)."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
 def test_engine_mismatch_that_clips_before_any_update_is_logged_and_warned(tmp_path):
-    module = make_module(engine=NoisyEngine(), old_logprobs="engine")
+    module = make_module(engine=NoisyEngine(), old_logprobs="engine",
+                         rewards=[RewardSpec(function="tests.test_module.reward_by_text")])
     L.seed_everything(0, verbose=False)
     data = PromptDataModule(path="builtin:echo", tokenizer="builtin:tiny-echo", rollout_batch_size=4, prompt_length=8, val_size=8)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
