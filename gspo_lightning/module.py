@@ -43,7 +43,7 @@ from gspo_lightning.options import (
 from gspo_lightning.rewards.base import RewardComposer, RewardSpec
 from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine, RolloutWorker, SamplingParams
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.update import MetricHook, PolicyUpdater, UpdateOps, UpdateSettings
+from gspo_lightning.update import MetricHook, PolicyUpdater, UpdateOps, UpdateSettings, plan_batches
 
 __all__ = ["GSPOModule", "NonFiniteError"]
 
@@ -297,26 +297,11 @@ class GSPOModule(L.LightningModule):
     def _build_updater(self, prompts_per_step: int) -> None:
         hp = self.hparams
         world = self.trainer.world_size if self._trainer is not None else 1
-        if prompts_per_step % world:
-            raise ValueError(f"data.rollout_batch_size={prompts_per_step} does not split over {world} ranks")
-        local = prompts_per_step // world * hp.num_return_sequences_in_group
-        if hp.mini_batch_size is not None:
-            if hp.mini_batch_size % world or local % (hp.mini_batch_size // world):
-                raise ValueError(f"mini_batch_size={hp.mini_batch_size} must be a multiple of the {world} rank(s) and divide "
-                                 f"the {local * world} responses of a step (rollout_batch_size x num_return_sequences_in_group)")
-            mini = hp.mini_batch_size // world
-        else:
-            splits = hp.num_mini_batches or 1
-            if local % splits:
-                raise ValueError(f"num_mini_batches={splits} does not divide the {local} responses of a step on each rank "
-                                 f"(rollout_batch_size x num_return_sequences_in_group / ranks)")
-            mini = local // splits
-        micro = min(hp.micro_batch_size or mini, mini)  # a last, smaller micro-batch is fine: denominators are global
-        updates = hp.ppo_epochs * (local // mini)
-        if updates == 1 and hp.old_logprobs == "recompute" and self.rollout_steps == 0:
-            warnings.warn("one optimizer step per rollout (num_mini_batches=1, ppo_epochs=1) with recomputed old "
-                          "log-probs: every importance ratio is exactly 1, so the clip and the dual clip never act. "
-                          "The paper splits each rollout into 4 mini-batches: set num_mini_batches: 4", stacklevel=2)
+        mini, micro = plan_batches(
+            prompts_per_step, world, group_size=hp.num_return_sequences_in_group, num_mini_batches=hp.num_mini_batches,
+            mini_batch_size=hp.mini_batch_size, micro_batch_size=hp.micro_batch_size, ppo_epochs=hp.ppo_epochs,
+            warn_no_clip=hp.old_logprobs == "recompute" and self.rollout_steps == 0,
+        )
         settings = UpdateSettings(
             importance_sampling=hp.importance_sampling, clip_low=self.clip_low, clip_high=self.clip_high,
             dual_clip=hp.dual_clip if hp.dual_clip_loss else None, loss_agg_mode=hp.loss_agg_mode,

@@ -86,6 +86,36 @@ class UpdateOps:
     all_reduce_sum: Callable[[Tensor], Tensor]
 
 
+def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini_batches: Optional[int],
+                 mini_batch_size: Optional[int], micro_batch_size: Optional[int], ppo_epochs: int,
+                 warn_no_clip: bool = False) -> tuple[int, int]:
+    """``(mini, micro)``: responses per optimizer step and per forward on each rank.
+
+    ``mini_batch_size`` (all ranks), when set, takes precedence over ``num_mini_batches``.
+    Raises when the sizes do not divide the step; warns (``warn_no_clip``) when one update
+    per rollout makes every ratio exactly 1."""
+    if prompts_per_step % world:
+        raise ValueError(f"data.rollout_batch_size={prompts_per_step} does not split over {world} ranks")
+    local = prompts_per_step // world * group_size
+    if mini_batch_size is not None:
+        if mini_batch_size % world or local % (mini_batch_size // world):
+            raise ValueError(f"mini_batch_size={mini_batch_size} must be a multiple of the {world} rank(s) and divide "
+                             f"the {local * world} responses of a step (rollout_batch_size x num_return_sequences_in_group)")
+        mini = mini_batch_size // world
+    else:
+        splits = num_mini_batches or 1
+        if local % splits:
+            raise ValueError(f"num_mini_batches={splits} does not divide the {local} responses of a step on each rank "
+                             f"(rollout_batch_size x num_return_sequences_in_group / ranks)")
+        mini = local // splits
+    micro = min(micro_batch_size or mini, mini)  # a last, smaller micro-batch is fine: denominators are global
+    if warn_no_clip and ppo_epochs * (local // mini) == 1:
+        warnings.warn("one optimizer step per rollout (num_mini_batches=1, ppo_epochs=1) with recomputed old "
+                      "log-probs: every importance ratio is exactly 1, so the clip and the dual clip never act. "
+                      "The paper splits each rollout into 4 mini-batches: set num_mini_batches: 4", stacklevel=3)
+    return mini, micro
+
+
 class PolicyUpdater:
     """Runs the optimizer steps of one rollout and keeps the non-finite-skip state."""
 
@@ -260,4 +290,4 @@ class PolicyUpdater:
             )
 
 
-__all__ = ["MetricHook", "MicroBatch", "PolicyUpdater", "UpdateOps", "UpdateSettings"]
+__all__ = ["MetricHook", "MicroBatch", "PolicyUpdater", "UpdateOps", "UpdateSettings", "plan_batches"]
