@@ -26,7 +26,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 # case -> model, prompt source, rollout shape (prompts x samples, tokens per response)
 CASES = {
     # the quickstart's rollout: 16 prompts x 8 responses of 6 tokens, 14-token vocabulary
-    "quickstart": dict(model="builtin:tiny-echo-h32", data="builtin:echo", field="prompt", prompts=16, group=8,
+    "quickstart": dict(model="builtin:tiny-successor-h32", data="builtin:successor", field="prompt", prompts=16, group=8,
                        response_length=6, prompt_tokens=8),
     # a 32k-vocabulary model (11.1M parameters, 74% in the tied embedding / head)
     "32k": dict(model="builtin:small-32k", data="builtin:gsm8k", field="question", prompts=8, group=8,

