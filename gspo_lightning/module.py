@@ -363,9 +363,10 @@ class GSPOModule(L.LightningModule):
         was_training = model.training
         model.eval()
         try:
-            # inference_mode is leaner than no_grad, but MoE routing records must stay
-            # ordinary tensors: they are used again under autograd during replay
-            with torch.no_grad() if self.router is not None else torch.inference_mode():
+            # inference_mode is leaner than no_grad, but MoE routing records must stay ordinary
+            # tensors (used again under autograd in replay), and FSDP2 keeps buffers it creates in
+            # the first forward (inference tensors would break the next training forward)
+            with torch.no_grad() if self.router is not None or self.sharded else torch.inference_mode():
                 logprobs = torch.cat([self._logprobs(model, rollout, chunk)[0] for chunk in rows.split(micro)])
         finally:
             model.train(was_training)
