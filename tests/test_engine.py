@@ -243,3 +243,22 @@ def test_kv_decoder_declines_models_it_does_not_reproduce():
 
     assert not kv_decode.supports(_tiny_lm("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0))
     assert not kv_decode.supports(_tiny_lm("gpt2"))
+
+
+def test_kv_decoder_declines_fsdp2_sharded_policies():
+    """FSDP2 gathers weights in each wrapped module's forward: the decoder must not call
+    submodules of a sharded policy directly (the engine falls back to the model's forward)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gspo_lightning.rollout import kv_decode
+
+    model = _tiny_lm("qwen2")
+    assert kv_decode.supports(model)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        assert not kv_decode.supports(model)
+    finally:
+        dist.destroy_process_group()

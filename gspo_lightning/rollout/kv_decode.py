@@ -34,6 +34,8 @@ def supports(model: nn.Module) -> bool:
         return False
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return False
+    if _sharded(model):
+        return False
     decoder = model.get_decoder()
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if not all(hasattr(decoder, name) for name in needed):
@@ -45,6 +47,18 @@ def supports(model: nn.Module) -> bool:
         if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")):
             return False
     return True
+
+
+def _sharded(model: nn.Module) -> bool:
+    """FSDP gathers a layer's weights in that layer's forward; calling its submodules
+    directly would see shards."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return True
+    return any(type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) for m in model.modules())
 
 
 class KVDecoder:
@@ -208,8 +222,8 @@ def _scalar(value: float, like: Tensor) -> Tensor:
 def _norm(module: nn.Module, x: Tensor) -> Tensor:
     """A Llama-style RMSNorm as one fused op in float32 (same formula), else the module itself."""
     eps = getattr(module, "variance_epsilon", None)
-    if eps is None or x.dtype != torch.float32 or type(module).__name__ not in _RMS_NORMS:
-        return module(x)
+    if eps is None or x.dtype != torch.float32 or type(module).__name__ not in _RMS_NORMS or _hooked(module):
+        return module(x)  # (hooks: e.g. DeepSpeed ZeRO-3 gathers the weight in one)
     return F.rms_norm(x, module.weight.shape, module.weight, eps)
 
 
