@@ -169,6 +169,36 @@ COLUMNS = [  # (header, function of the cell's record) for the markdown / text t
 ]
 
 
+def stamp() -> dict:
+    """Which code made the numbers, and on what machine."""
+    import platform
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True, check=True).stdout.rstrip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty_tracked_files": sorted(l[3:] for l in dirty.splitlines()) if dirty else [],
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu, "cpus": os.cpu_count(),
+            "command": " ".join(["python", "benchmarks/bench_grid.py", *sys.argv[1:]])}
+
+
+def markdown(report: dict) -> str:
+    """The table with the stamp above it, as docs/benchmarks.md quotes it."""
+    st = report["stamp"]
+    versions = ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items())
+    head = [f"`{st['command']}` at commit `{st['commit']}`" + (f" (changed: {', '.join(st['dirty_tracked_files'])})"
+                                                               if st["dirty_tracked_files"] else "") + f", {st['date']}.",
+            f"{st['cpus']} x {st['cpu']}, {report['threads']} threads, best fp32 matmul rate "
+            f"{report['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; {versions}.", ""]
+    tail = ["", f"Skipped (too long on this machine; `--all` runs them): {', '.join(report['skipped'])}."] if report["skipped"] else []
+    return "\n".join(head) + "\n" + table(report["cells"]) + "\n" + "\n".join(tail) + "\n"
+
+
 def table(cells: list[dict]) -> str:
     done = [c for c in cells if "gspo" in c and "trl" in c]
     lines = ["| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -208,7 +238,7 @@ def main(argv=None) -> int:
     rate = matmul_rate(args.threads)
     print(f"fp32 matmul rate at {args.threads} threads: {rate / 1e9:.1f} GFLOP/s (re-measured before each cell, "
           f"the best is kept)", flush=True)
-    report = {"argv": sys.argv[1:], "matmul_flops_per_s": rate, "threads": args.threads, "cells": [], "skipped": []}
+    report = {"stamp": stamp(), "argv": sys.argv[1:], "matmul_flops_per_s": rate, "threads": args.threads, "cells": [], "skipped": []}
     shapes, prompt_stats = {}, {}
     try:
         for size, vocab, length in itertools.product(sizes, vocabs, lengths):
@@ -271,7 +301,7 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         if args.markdown:
-            Path(args.markdown).write_text(table(report["cells"]) + "\n")
+            Path(args.markdown).write_text(markdown(report))
     finally:
         if tmp is not None:
             tmp.cleanup()

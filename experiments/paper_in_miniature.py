@@ -1,7 +1,7 @@
 """The GSPO paper's claims, in miniature, on a CPU, each pushed to where its mechanism bites.
 
-One command regenerates everything in ``docs/results/`` (``README.md`` there reads the
-numbers from the ``summary.json`` this writes)::
+One command regenerates everything in ``docs/results/``, ``README.md`` included (its tables
+and verdicts come from the ``summary.json`` this writes, by ``experiments/results_readme.py``)::
 
     python experiments/paper_in_miniature.py --out docs/results      # the full run, ~1 h on 2 cores
     python experiments/paper_in_miniature.py --smoke --out /tmp/s    # every experiment, tiny: seconds
@@ -80,7 +80,7 @@ SETUP: dict[str, Any] = {
         "moe": dict(model="moe", methods=["GSPO", "GRPO", "GRPO+RR"], length=8, lr=1e-2, prompts=16,
                     mini_batches=8, router_aux_loss_coef=0.01, steps=100, seeds=[0, 1, 2, 3, 4]),
         "precision": dict(model="dense", methods=["GSPO", "GRPO"], lengths=[8, 32], engines=list(ENGINES),
-                          lr=3e-3, prompts=8, mini_batches=4, steps=30, seeds=[0, 1, 2, 3, 4]),
+                          lr=3e-3, prompts=8, mini_batches=4, steps=50, seeds=[0, 1, 2, 3, 4]),
     },
 }
 SMOKE: dict[str, Any] = {
@@ -353,6 +353,7 @@ def _quantiles(xs: list[float], qs=(0.5, 0.9, 0.99)) -> dict:
 
 
 SMOOTH = 5
+COLLAPSE_DROP = 0.1  # a seed "collapsed" when its final reward is this far below its best moving average
 
 
 def _smooth(y, window):
@@ -395,6 +396,8 @@ def arm_entry(runs: list[dict]) -> dict:
     for key, values in per_seed.items():
         if any(v is not None for v in values):
             entry[key] = ci(values)
+    entry["collapsed_seeds"] = sum(1 for r, drop in zip(runs, per_seed["drop_from_best"])
+                                   if r.get("failure") or (drop is not None and drop > COLLAPSE_DROP))
     entry["final_reward_per_seed"] = [None if v is None else round(v, 4) for v in per_seed["final_reward"]]
     entry["heldout_reward_per_seed"] = [None if v is None else round(v, 4) for v in per_seed["heldout_reward"]]
     entry["failures"] = [r["failure"] for r in runs if r.get("failure")]
@@ -433,6 +436,38 @@ def _paired_ratio(a_runs: list[dict], b_runs: list[dict], key: str = "loss/clip_
             "ci95_high": None if out["ci95"] is None else round(math.exp(out["mean"] + out["ci95"]), 2)}
 
 
+def paired_difference(a: dict, b: dict, key: str) -> dict:
+    """Arm ``a`` minus arm ``b`` of a per-seed value (``final_reward`` or ``heldout_reward``),
+    seed by seed (a seed fixes the initial weights and prompts of both): mean and 95% interval."""
+    a_by_seed = dict(zip(a["seeds"], a[f"{key}_per_seed"]))
+    diffs = [a_by_seed[s] - v for s, v in zip(b["seeds"], b[f"{key}_per_seed"])
+             if v is not None and a_by_seed.get(s) is not None]
+    return ci(diffs)
+
+
+# pairs compared seed by seed, per experiment: (a, b) means a - b
+COMPARISONS = {
+    "dense": [("GSPO", "GRPO")],
+    "moe": [("GSPO", "GRPO"), ("GRPO+RR", "GRPO"), ("GSPO", "GRPO+RR")],
+}
+
+
+def comparisons(exp: str, arms: dict, setup: dict) -> list[dict]:
+    """Paired differences of final and held-out reward: the method pairs of ``COMPARISONS``;
+    for ``precision`` each engine arm against the fp32 recompute arm of the same method and length."""
+    pairs = list(COMPARISONS.get(exp, []))
+    if exp == "precision":
+        cfg = setup["experiments"]["precision"]
+        pairs = [(f"{m} L{n} {e}", f"{m} L{n} fp32 recompute") for n in cfg["lengths"] for m in cfg["methods"]
+                 for e in cfg["engines"] if e != "fp32 recompute"]
+    rows = []
+    for a, b in pairs:
+        if a in arms and b in arms:
+            rows.append({"a": a, "b": b, **{key: paired_difference(arms[a], arms[b], key)
+                                            for key in ("final_reward", "heldout_reward")}})
+    return rows
+
+
 def summarize(results: list[dict], setup: dict) -> dict:
     out: dict[str, Any] = {}
     for exp in setup["experiments"]:
@@ -441,6 +476,7 @@ def summarize(results: list[dict], setup: dict) -> dict:
         for r in runs:
             arms.setdefault(r["arm"], []).append(r)
         out[exp] = {"arms": {arm: arm_entry(sorted(rs, key=lambda r: r["seed"])) for arm, rs in arms.items()}}
+        out[exp]["comparisons"] = comparisons(exp, out[exp]["arms"], setup)
         if exp == "length":
             cfg = setup["experiments"]["length"]
             table = []
@@ -664,7 +700,7 @@ def stamp(argv: list[str]) -> dict:
 
     def git(*args):
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.rstrip()
         except (OSError, subprocess.CalledProcessError):
             return None
 
@@ -716,6 +752,14 @@ def build_setup(smoke: bool, seeds: Optional[list[int]], steps: Optional[int], e
     return setup
 
 
+def write_readme(summary: dict, out: Path) -> Path:
+    """README.md with the tables and the verdicts (experiments/results_readme.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import results_readme
+
+    return results_readme.write(summary, out)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -739,6 +783,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         summary = json.loads((out / "summary.json").read_text())
         results = _from_files(out)
         paths = plot(results, summary["results"], summary["setup"], out, args.smooth or SMOOTH)
+        paths.append(write_readme(summary, out))
         print(f"redrew {', '.join(p.name for p in paths)} in {out}")
         return summary
 
@@ -787,6 +832,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         {f"{r['experiment']}/{r['arm']}/seed{r['seed']}": r["mismatch"] for r in results if r["experiment"] == "precision"},
         separators=(",", ":")) + "\n")
     paths = plot(results, summary["results"], setup, out, smooth)
+    paths.append(write_readme(summary, out))
     print(f"wrote summary.json, curves.json, mismatch.json, {', '.join(p.name for p in paths)} to {out} in {seconds:.0f} s")
     print_summary(summary["results"])
     return summary
@@ -810,6 +856,9 @@ DEFINITIONS = {
                                 "mean| (the GSPO log ratio) and |per-token| (GRPO) quantiles, shares beyond each clip",
     "engine_logprob_abs_diff": "mean |trainer - engine| sampled-token log-prob, first mini-batch (logged by the module)",
     "drop_from_best": f"best {SMOOTH}-step moving average of the training reward minus final_reward",
+    "collapsed_seeds": f"seeds whose drop_from_best exceeds {COLLAPSE_DROP} or whose run stopped on a non-finite loss",
+    "comparisons": "a - b of final_reward / heldout_reward, seed by seed (same initial weights and prompts): mean "
+                   "and 95% interval; the difference is significant when the interval excludes 0",
     "log_ratio_min": "log of the smallest importance ratio in a step, mean over steps",
 }
 

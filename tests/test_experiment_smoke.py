@@ -62,6 +62,9 @@ def test_smoke_run_writes_stamped_summary_and_plots(tmp_path):
     assert precision["GSPO L8 fp32 recompute"]["first_minibatch_mismatch"]["seq_abs_log_ratio"]["max"] < 1e-5
     assert 0 < bf16["engine_logprob_abs_diff"]["mean"] < 0.1
 
+    readme = (tmp_path / "README.md").read_text()  # tables and verdicts from the same summary
+    assert stamp["commit"] in readme and "## Verdicts" in readme and "| GSPO L8 bf16 engine |" in readme
+
     for name in PLOTS:
         path = tmp_path / name
         assert path.is_file() and 1000 < path.stat().st_size < 400_000, name
