@@ -26,13 +26,14 @@ same rollouts, responses and optimizer steps. Experiments (``SETUP``):
 
 Outputs: ``summary.json`` (stamp: commit, dirty files, command line, versions, seeds, wall
 time, machine load; per arm: means with 95% t-intervals over seeds), ``curves.json`` (per
-step, per run), ``mismatch.json`` (engine-vs-trainer samples) and the plots.
+step, per run), ``mismatch.json.gz`` (engine-vs-trainer samples, gzipped: ~3 MB as text) and the plots.
 Runs are seeded and single-threaded: ``--jobs`` changes the wall time, not the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -731,7 +732,8 @@ def _compact(results: list[dict]) -> dict:
 
 def _from_files(out: Path) -> list[dict]:
     curves = json.loads((out / "curves.json").read_text())
-    mismatch = json.loads((out / "mismatch.json").read_text())
+    with gzip.open(out / "mismatch.json.gz", "rt") as handle:
+        mismatch = json.load(handle)
     results = []
     for key, value in curves.items():
         history = {name: value["history"].get(name, [None] * len(value["history"]["reward/mean"])) for name in METRICS}
@@ -828,12 +830,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "curves.json").write_text(json.dumps(_compact(results), separators=(",", ":")) + "\n")
-    (out / "mismatch.json").write_text(json.dumps(
-        {f"{r['experiment']}/{r['arm']}/seed{r['seed']}": r["mismatch"] for r in results if r["experiment"] == "precision"},
-        separators=(",", ":")) + "\n")
+    mismatch = {f"{r['experiment']}/{r['arm']}/seed{r['seed']}": r["mismatch"] for r in results if r["experiment"] == "precision"}
+    with gzip.open(out / "mismatch.json.gz", "wt") as handle:
+        handle.write(json.dumps(mismatch, separators=(",", ":")) + "\n")
     paths = plot(results, summary["results"], setup, out, smooth)
     paths.append(write_readme(summary, out))
-    print(f"wrote summary.json, curves.json, mismatch.json, {', '.join(p.name for p in paths)} to {out} in {seconds:.0f} s")
+    print(f"wrote summary.json, curves.json, mismatch.json.gz, {', '.join(p.name for p in paths)} to {out} in {seconds:.0f} s")
     print_summary(summary["results"])
     return summary
 
