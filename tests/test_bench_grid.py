@@ -1,0 +1,64 @@
+"""The grid benchmark's bookkeeping (no timing here): medians over quiet steps only, the
+FLOP count of a step, and a table that says which commit made it."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def grid():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_grid", BENCH / "bench_grid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(steps, contention, generate=0.1):
+    return {"step_wall_s": steps, "step_contention": contention, "response_length_mean": [16.0] * len(steps),
+            "phases": {"generate": [generate] * len(steps), "train": [0.2] * len(steps)},
+            "process_peak_rss_mib": 500.0, "train_peak_rss_mib": 480.0, "baseline_rss_mib": 400.0}
+
+
+def test_medians_skip_warmup_and_busy_steps(grid):
+    # step 0 is warm-up; step 2 ran while a neighbour used half the cores (5x slower)
+    runs = [run([9.0, 1.0, 5.0, 1.2], [0.0, 0.0, 0.5, 0.0]), run([9.0, 1.1, 1.3, 5.5], [0.0, 0.0, 0.0, 0.6])]
+    clean = grid.summarize(runs, warmup=1, max_contention=0.1, use_clean=True)
+    assert clean["clean"] and clean["measured_steps"] == 6 and clean["clean_steps"] == 4
+    assert clean["step_s"] == pytest.approx(1.15)  # median of 1.0, 1.2, 1.1, 1.3
+    assert clean["step_s_all"] == pytest.approx(1.25) and clean["step_s_min"] == 1.0
+    assert clean["other"] == pytest.approx(1.15 - 0.3)  # the step minus its timed phases
+    everything = grid.summarize(runs, warmup=1, max_contention=0.1, use_clean=False)
+    assert not everything["clean"] and everything["step_s"] == pytest.approx(1.25)
+
+
+def test_step_flops_count_each_prompt_once_and_three_passes_for_training(grid):
+    shape = {"decoder_matmul_params": 1000, "hidden_size": 10, "vocab_size": 50, "layers": 2}
+    flops = grid.step_flops(shape, prompts=2, group=4, prompt_tokens=3, response_tokens=2)
+    dec, head, attn = 2000, 1000, 80
+    prompt_pass = 2 * (3 * dec + attn * 3 * 4 / 2)
+    decode = 8 * (dec + head + attn * 5)  # one step after the first token, context 3 + 1 + 1
+    responses = 8 * ((dec + head + attn * 4) + (dec + head + attn * 5))
+    assert flops["generate"] == pytest.approx(prompt_pass + 2 * head + decode)
+    assert flops["train"] == pytest.approx(3 * (prompt_pass + responses))
+    assert flops["total"] == pytest.approx(flops["generate"] + flops["train"])
+
+
+def test_markdown_carries_the_stamp_and_the_ratios(grid):
+    cell = {"vocab": "100", "size": "0.6M", "params_m": 0.6, "length": 16, "limit_s": 0.05,
+            "gspo": {"step_s": 0.3, "generate": 0.1, "train": 0.15, "other": 0.05, "peak_rss_mib": 500.0},
+            "trl": {"step_s": 0.6, "generate": 0.2, "train": 0.3, "other": 0.1, "peak_rss_mib": 1000.0}}
+    report = {"stamp": {"commit": "c" * 40, "dirty_tracked_files": ["gspo_lightning/module.py"], "date": "today",
+                        "cpu": "some CPU", "cpus": 2, "command": "python benchmarks/bench_grid.py"},
+              "threads": 2, "matmul_flops_per_s": 1.5e11, "versions": {"torch": "2.13"}, "skipped": ["100-25M-128"],
+              "cells": [cell]}
+    text = grid.markdown(report)
+    assert "c" * 40 in text and "(changed: gspo_lightning/module.py)" in text and "150.0 GFLOP/s" in text
+    assert "| 100 | 0.6M (0.6M) | 16 | 0.300 | 0.600 | **0.50x** |" in text
+    assert "500 / 1000 (0.50x)" in text and "| 6.0x |" in text  # RSS ratio, ours / FLOP limit
+    assert text.rstrip().endswith("100-25M-128.")
