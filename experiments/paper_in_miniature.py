@@ -756,7 +756,9 @@ def build_setup(smoke: bool, seeds: Optional[list[int]], steps: Optional[int], e
 
 def write_readme(summary: dict, out: Path) -> Path:
     """README.md with the tables and the verdicts (experiments/results_readme.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # results_readme.py sits next to this script
+        sys.path.insert(0, here)
     import results_readme
 
     return results_readme.write(summary, out)

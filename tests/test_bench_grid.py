@@ -1,22 +1,14 @@
 """The grid benchmark's bookkeeping (no timing here): medians over quiet steps only, the
 FLOP count of a step, and a table that says which commit made it."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def grid():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_grid", BENCH / "bench_grid.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_grid.py")
 
 
 def run(steps, contention, generate=0.1):

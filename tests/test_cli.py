@@ -65,7 +65,7 @@ def run_gspo(*args):
     return subprocess.run([sys.executable, "-m", "gspo_lightning.cli", *args], cwd=ROOT, capture_output=True, text=True)
 
 
-ROLL_SEED = {  # ../shared/GSPO.md section 8
+ROLL_SEED = {  # ROLL's seed keys: docs/algorithm.md, "ROLL's seed keys, here"
     "adv_estimator": ("model", "reinforce"), "importance_sampling": ("model", "seq"),
     "rollout_batch_size": ("data", 64), "num_return_sequences_in_group": ("model", 8),
     "prompt_length": ("data", 2048), "response_length": ("model", 4096), "ppo_epochs": ("model", 1),

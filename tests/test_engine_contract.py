@@ -20,8 +20,8 @@ import torch
 from gspo_lightning.logprobs import response_logprobs
 from gspo_lightning.rollout import EngineSpec, HFEngine, RolloutWorker, SamplingParams
 from gspo_lightning.rollout.hf import left_pad
-from gspo_lightning.rollout.transport import InProcessTransport
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
+from tests.helpers import CountingTransport
 
 MODEL = "builtin:tiny-successor-h32"
 MAX_NEW = 10
@@ -32,15 +32,6 @@ MAX_NEW = 10
 LOGPROB_ATOL = {"hf": 1e-4, "cpu": 1e-4, "cuda": 2e-3}
 
 ENGINES = [pytest.param("hf", id="hf"), pytest.param("vllm", id="vllm", marks=pytest.mark.vllm)]
-
-
-class CountingTransport(InProcessTransport):
-    def __init__(self):
-        self.sends = 0
-
-    def send(self, engine, weights, version):
-        self.sends += 1
-        return super().send(engine, weights, version)
 
 
 @dataclass

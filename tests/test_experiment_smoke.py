@@ -1,21 +1,17 @@
 """experiments/paper_in_miniature.py --smoke: every experiment of docs/results, tiny, into a
 tmp dir, so that a change that breaks the experiment fails CI."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "paper_in_miniature.py"
+from tests.helpers import load_script
+
 PLOTS = ("clip_vs_length.png", "reward_curves.png", "final_rewards.png", "precision.png")
 
 
 def load_experiment():
-    spec = importlib.util.spec_from_file_location("paper_in_miniature", SCRIPT)
-    experiment = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(experiment)
-    return experiment
+    return load_script("experiments/paper_in_miniature.py")
 
 
 @pytest.mark.slow

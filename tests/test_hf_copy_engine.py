@@ -12,8 +12,8 @@ from gspo_lightning.logprobs import response_logprobs
 from gspo_lightning.rollout import EngineSpec, HFCopyEngine, RolloutWorker, SamplingParams
 from gspo_lightning.rollout.hf import left_pad
 from gspo_lightning.rollout.hf_copy import fp8_round
-from gspo_lightning.rollout.transport import InProcessTransport
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
+from tests.helpers import CountingTransport
 
 MAX_NEW = 12
 
@@ -59,15 +59,6 @@ def mismatch(dtype, quantization=None):
     gen = engine.generate(ps, 8, SamplingParams(MAX_NEW), seed=3)
     diff = (trainer_logprobs(policy, tok, ps, gen, 8) - gen.logprobs)[gen.mask].abs()
     return diff, engine, policy
-
-
-class CountingTransport(InProcessTransport):
-    def __init__(self):
-        self.sends = 0
-
-    def send(self, engine, weights, version):
-        self.sends += 1
-        return super().send(engine, weights, version)
 
 
 def test_the_copy_has_the_engine_dtype_and_the_policy_keeps_its_own():

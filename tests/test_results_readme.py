@@ -1,22 +1,14 @@
 """docs/results/README.md is generated from summary.json: the verdict rules decide from the
 numbers (hand-made summaries here), and hand-written notes survive a regeneration."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def readme():
-    sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location("results_readme", EXPERIMENTS / "results_readme.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/results_readme.py")
 
 
 def diff(mean, half):

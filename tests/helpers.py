@@ -1,0 +1,33 @@
+"""Small helpers shared by several test files."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from gspo_lightning.rollout.transport import InProcessTransport
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str) -> ModuleType:
+    """Import a script of the repository that is not part of the package (``benchmarks/``,
+    ``experiments/``), with its folder on ``sys.path`` as when it runs."""
+    path = ROOT / relative_path
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CountingTransport(InProcessTransport):
+    """Counts the weight pushes that reach the engine."""
+
+    def __init__(self):
+        self.sends = 0
+
+    def send(self, engine, weights, version):
+        self.sends += 1
+        return super().send(engine, weights, version)
