@@ -169,9 +169,17 @@ COLUMNS = [  # (header, function of the cell's record) for the markdown / text t
 ]
 
 
+def cpu_name() -> str:
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor()
+
+
 def stamp() -> dict:
     """Which code made the numbers, and on what machine."""
-    import platform
 
     def git(*args):
         try:
@@ -179,11 +187,9 @@ def stamp() -> dict:
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty_tracked_files": sorted(l[3:] for l in dirty.splitlines()) if dirty else [],
-            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu, "cpus": os.cpu_count(),
+    dirty = git("status", "--porcelain", "--untracked-files=no") or ""
+    return {"commit": git("rev-parse", "HEAD"), "dirty_tracked_files": sorted(line[3:] for line in dirty.splitlines()),
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu_name(), "cpus": os.cpu_count(),
             "command": " ".join(["python", "benchmarks/bench_grid.py", *sys.argv[1:]])}
 
 
