@@ -206,15 +206,21 @@ def _tiny_lm(model_type, **extra):
 
 
 @pytest.mark.parametrize("fuse", [True, False])
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
-def test_kv_decoder_reproduces_the_model_forward(model_type, fuse, monkeypatch):
-    """Decode steps over the preallocated cache, with fused projection weights (small
-    models) or the model's own projections, give the logits of a full forward over
-    [left-padded prompt | fed tokens], for every row (repeated prompts, GQA, left padding)."""
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("llama", {"attention_bias": True}), ("qwen2", {}),
+                                              ("qwen3", {}), ("mistral", {})])
+def test_kv_decoder_reproduces_the_model_forward(model_type, extra, fuse, monkeypatch):
+    """Decode steps over the preallocated cache, with fused weights (small models: q|k|v and
+    gate|up concatenated, norm weights folded in) or the model's own projections, give the
+    logits of a full forward over [left-padded prompt | fed tokens], for every row (repeated
+    prompts, GQA, left padding, biases on every attention projection)."""
     from gspo_lightning.rollout import kv_decode
 
     monkeypatch.setattr(kv_decode, "_FUSE_MAX_BYTES", 2**40 if fuse else 0)
-    model = _tiny_lm(model_type)
+    model = _tiny_lm(model_type, **extra)
+    with torch.no_grad():  # norm weights away from 1, so that folding them in is tested
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     assert kv_decode.supports(model)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
     ids, mask = left_pad(prompts, 0, "cpu")
@@ -223,7 +229,7 @@ def test_kv_decoder_reproduces_the_model_forward(model_type, fuse, monkeypatch):
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         decoder = kv_decode.KVDecoder(model, out.past_key_values, mask, repeat, feeds)
-        assert (decoder.fused is not None) == fuse
+        assert (decoder.fused is not None) == fuse and all(layer is not None for layer in decoder.fused or [])
         fed = torch.randint(3, 50, (len(prompts) * repeat, feeds), generator=torch.Generator().manual_seed(0))
         full_ids = torch.cat([ids.repeat_interleave(repeat, 0), fed], 1)
         full_mask = torch.cat([mask.repeat_interleave(repeat, 0), torch.ones_like(fed)], 1)

@@ -14,7 +14,7 @@ Hugging Face forward: :func:`supports` says which.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,18 +92,21 @@ class KVDecoder:
             self.values.append(values)
         mask = prompt_mask.repeat_interleave(repeat, dim=0)
         dtype = self.keys[0].dtype if self.keys else torch.float32
-        self.bias = torch.zeros((rows, 1, 1, width + new_tokens), dtype=dtype, device=mask.device)
-        self.bias[:, 0, 0, :width].masked_fill_(mask == 0, torch.finfo(dtype).min)  # left padding
+        kv_heads = self.keys[0].shape[1] if self.keys else 1
+        # the additive mask of every (row, kv head) pair, the batch of the attention matmuls
+        bias = torch.zeros((rows, kv_heads, 1, width + new_tokens), dtype=dtype, device=mask.device)
+        bias[:, :, 0, :width].masked_fill_((mask == 0)[:, None], torch.finfo(dtype).min)  # left padding
+        self.bias = bias.view(rows * kv_heads, 1, width + new_tokens)
         self.position = mask.sum(-1) - 1  # (rows,) position of the last prompt token
         # cos/sin of every position the response will use, computed once, shaped to broadcast
-        # over (rows, kv_heads, heads, head_dim); rotate_half(x) * sin == roll(x, half) * signed_sin
+        # over (rows, heads, head_dim); rotate_half(x) * sin == roll(x, half) * signed_sin
         positions = torch.arange(int(self.position.max()) + new_tokens + 2, device=mask.device)[None]
         cos, sin = self.decoder.rotary_emb(self.keys[0] if self.keys else mask.float(), positions)
         half = cos.shape[-1] // 2
         sign = torch.ones(cos.shape[-1], dtype=sin.dtype, device=sin.device)
         sign[:half] = -1
-        self.cos = cos[0][:, None, None, :]
-        self.signed_sin = (sin[0] * sign)[:, None, None, :]
+        self.cos = cos[0][:, None, :]
+        self.signed_sin = (sin[0] * sign)[:, None, :]
         self.half = half
         self.fused = [_FusedLayer.build(layer) for layer in self.decoder.layers] if _fusion_pays(self.decoder) else None
 
@@ -118,49 +121,71 @@ class KVDecoder:
         self.position = self.position + 1
         column = self.length
         self.length += 1
-        rows = tokens.shape[0]
-        cos = self.cos[self.position]  # (rows, 1, 1, head_dim)
+        cos = self.cos[self.position]  # (rows, 1, head_dim)
         signed_sin = self.signed_sin[self.position]
-        bias = self.bias[..., :self.length]
         hidden = self.decoder.embed_tokens(tokens)  # (rows, hidden)
         for index, layer in enumerate(self.decoder.layers):
-            attn = layer.self_attn
-            head_dim = attn.head_dim
-            x = _norm(layer.input_layernorm, hidden)
-            keys, values = self.keys[index], self.values[index]
-            kv_heads = keys.shape[1]
             fused = self.fused[index] if self.fused is not None else None
-            if fused is not None and fused.qkv is not None:
-                q, k, v = F.linear(x, *fused.qkv).split(fused.qkv_sizes, dim=-1)
+            if fused is not None:
+                hidden = self._fused_layer(fused, layer.self_attn, index, hidden, column, cos, signed_sin)
             else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            q = q.view(rows, kv_heads, -1, head_dim)  # query heads grouped by their key/value head
-            k = k.view(rows, kv_heads, 1, head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            groups = q.shape[2]
-            qk = torch.cat((q, k), dim=2)  # one rotary embedding for both
-            qk = torch.addcmul(qk * cos, qk.roll(self.half, dims=-1), signed_sin)
-            keys[:, :, column] = qk[:, :, groups]
-            values[:, :, column] = v.view(rows, kv_heads, head_dim)
-            scores = torch.matmul(qk[:, :, :groups], keys[:, :, :self.length].transpose(-1, -2))
-            scores = torch.addcmul(bias, scores, _scalar(attn.scaling, scores))  # scaling * (q.k) + mask
-            probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
-                torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-            out = torch.matmul(probs, values[:, :, :self.length]).view(rows, -1)
-            hidden = hidden + attn.o_proj(out)
-            x = _norm(layer.post_attention_layernorm, hidden)
-            if fused is not None and fused.gate_up is not None:
-                gate, up = F.linear(x, fused.gate_up).chunk(2, dim=-1)
-                hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            else:
-                hidden = hidden + layer.mlp(x)
+                hidden = self._module_layer(layer, index, hidden, column, cos, signed_sin)
         return self.head(_norm(self.decoder.norm, hidden)).float()
 
+    def _fused_layer(self, fused: "_FusedLayer", attn: nn.Module, index: int, hidden: Tensor, column: int,
+                     cos: Tensor, signed_sin: Tensor) -> Tensor:
+        """One layer from the fused weights: norms folded in, residual adds inside ``addmm``."""
+        x = fused.input_norm(hidden)
+        qkv = F.linear(x, fused.qkv, fused.qkv_bias)
+        q_width, k_width = fused.qkv_sizes[0], fused.qkv_sizes[1]
+        if fused.qk_norms is None:  # q and k are adjacent columns: one rotary embedding for both
+            qk = qkv[:, :q_width + k_width].view(qkv.shape[0], -1, attn.head_dim)
+        else:  # Qwen3: per-head norms before the rotary embedding
+            q_norm, k_norm = fused.qk_norms
+            qk = torch.cat((q_norm(qkv[:, :q_width].view(qkv.shape[0], -1, attn.head_dim)),
+                            k_norm(qkv[:, q_width:q_width + k_width].view(qkv.shape[0], -1, attn.head_dim))), dim=1)
+        out = self._attend(qk, qkv[:, q_width + k_width:], index, column, cos, signed_sin, attn.scaling)
+        hidden = torch.addmm(hidden, out, fused.o) if fused.o_bias is None else hidden + F.linear(out, fused.o.t(), fused.o_bias)
+        gate, up = F.linear(fused.post_norm(hidden), fused.gate_up).chunk(2, dim=-1)
+        return torch.addmm(hidden, fused.act(gate) * up, fused.down)
 
-# Fused copies of the q/k/v and gate/up weights (rebuilt for every generation: the weights
-# change between rollouts) save three matmul calls per layer and step, which pays where a
-# call costs more than its arithmetic; the copies cost memory, so only small models get them.
+    def _module_layer(self, layer: nn.Module, index: int, hidden: Tensor, column: int, cos: Tensor,
+                      signed_sin: Tensor) -> Tensor:
+        """One layer through the model's own modules (large models, adapters, hooks)."""
+        attn = layer.self_attn
+        x = _norm(layer.input_layernorm, hidden)
+        q, k = attn.q_proj(x).view(x.shape[0], -1, attn.head_dim), attn.k_proj(x).view(x.shape[0], -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotary embedding
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        out = self._attend(torch.cat((q, k), dim=1), attn.v_proj(x), index, column, cos, signed_sin, attn.scaling)
+        hidden = hidden + attn.o_proj(out)
+        return hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+
+    def _attend(self, qk: Tensor, v: Tensor, index: int, column: int, cos: Tensor, signed_sin: Tensor,
+                scaling: float) -> Tensor:
+        """Attention of one new token per row. ``qk``: ``(rows, heads + kv_heads, head_dim)``
+        before the rotary embedding (query heads, then key heads); ``v``: ``(rows, kv_heads *
+        head_dim)``. Writes the new key and value into column ``column``; returns ``(rows, heads * head_dim)``."""
+        keys, values = self.keys[index], self.values[index]
+        rows, kv_heads, _, head_dim = keys.shape
+        qk = torch.addcmul(qk * cos, qk.roll(self.half, dims=-1), signed_sin)
+        heads = qk.shape[1] - kv_heads
+        keys[:, :, column] = qk[:, heads:]
+        values[:, :, column] = v.view(rows, kv_heads, head_dim)
+        # batch (row, kv head): its query heads against the filled columns, mask added in the same op
+        q = qk[:, :heads].reshape(rows * kv_heads, heads // kv_heads, head_dim)
+        filled = keys[:, :, :self.length].reshape(rows * kv_heads, self.length, head_dim)
+        scores = torch.baddbmm(self.bias[..., :self.length], q, filled.transpose(1, 2), alpha=scaling)
+        probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
+            torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        out = torch.bmm(probs, values[:, :, :self.length].reshape(rows * kv_heads, self.length, head_dim))
+        return out.view(rows, heads * head_dim)
+
+
+# Fused copies of a layer's weights (rebuilt for every generation: the weights change
+# between rollouts) save matmul calls and elementwise passes per layer and step, which pays
+# where a call costs more than its arithmetic; the copies cost memory, so only small models
+# get them.
 _FUSE_MAX_BYTES = 64 * 2**20
 
 
@@ -168,7 +193,8 @@ def _fusion_pays(decoder: nn.Module) -> bool:
     size = 0
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)):
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, getattr(mlp, "gate_proj", None),
+                     getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)):
             if type(proj) is nn.Linear:
                 size += proj.weight.numel() * proj.weight.element_size()
     return size <= _FUSE_MAX_BYTES
@@ -176,28 +202,54 @@ def _fusion_pays(decoder: nn.Module) -> bool:
 
 @dataclass
 class _FusedLayer:
-    qkv: Optional[tuple[Tensor, Optional[Tensor]]]  # (weight, bias) of q|k|v, or None: separate calls
+    """A layer's weights rearranged for :meth:`KVDecoder._fused_layer`: q|k|v and gate|up
+    concatenated, float32 RMSNorm weights multiplied into the projection that follows them
+    (``W (w * x) == (W diag(w)) x``), o and down transposed for ``addmm``."""
+
+    input_norm: Callable[[Tensor], Tensor]
+    qkv: Tensor
+    qkv_bias: Optional[Tensor]
     qkv_sizes: tuple[int, int, int]
-    gate_up: Optional[Tensor]  # weight of gate|up, or None: the MLP module itself
+    qk_norms: Optional[tuple[nn.Module, nn.Module]]
+    o: Tensor  # (in, out)
+    o_bias: Optional[Tensor]
+    post_norm: Callable[[Tensor], Tensor]
+    gate_up: Tensor
+    act: Callable[[Tensor], Tensor]
+    down: Tensor  # (in, out)
 
     @staticmethod
-    def build(layer: nn.Module) -> "_FusedLayer":
+    def build(layer: nn.Module) -> Optional["_FusedLayer"]:
+        """``None`` when some piece is not a plain module (adapters, hooks, MLP variants)."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv, sizes = None, (0, 0, 0)
-        if all(_plain_linear(p) for p in projections):  # no adapters, no hooks of their own
-            weight = torch.cat([p.weight for p in projections]).detach()
-            bias = None
-            if any(p.bias is not None for p in projections):
-                bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
-                                  for p in projections]).detach()
-            qkv, sizes = (weight, bias), tuple(p.out_features for p in projections)
-        gate_up = None
-        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-        if (_plain_linear(gate) and _plain_linear(up) and gate.bias is None and up.bias is None
-                and hasattr(mlp, "down_proj") and hasattr(mlp, "act_fn") and not _hooked(mlp)):
-            gate_up = torch.cat([gate.weight, up.weight]).detach()
-        return _FusedLayer(qkv, sizes, gate_up)
+        gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+        plain = all(_plain_linear(p) for p in (*projections, attn.o_proj, gate, up, down))
+        if not plain or any(p.bias is not None for p in (gate, up, down)) or not hasattr(mlp, "act_fn") or _hooked(mlp):
+            return None
+        if _hooked(attn) or _hooked(layer) or (hasattr(attn, "q_norm") and (_hooked(attn.q_norm) or _hooked(attn.k_norm))):
+            return None
+        qkv = torch.cat([p.weight for p in projections]).detach()
+        gate_up = torch.cat([gate.weight, up.weight]).detach()
+        input_norm, qkv = _fold_norm(layer.input_layernorm, qkv)
+        post_norm, gate_up = _fold_norm(layer.post_attention_layernorm, gate_up)
+        bias = None
+        if any(p.bias is not None for p in projections):
+            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                              for p in projections]).detach()
+        qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
+        o_bias = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
+        return _FusedLayer(input_norm, qkv, bias, tuple(p.out_features for p in projections), qk_norms,
+                           attn.o_proj.weight.detach().t(), o_bias, post_norm, gate_up, mlp.act_fn,
+                           down.weight.detach().t())
+
+
+def _fold_norm(norm: nn.Module, weight: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """``(normalize, weight')`` with ``F.linear(normalize(x), weight') == F.linear(norm(x), weight)``."""
+    if _plain_rms_norm(norm) and weight.dtype == torch.float32:
+        eps = norm.variance_epsilon
+        return (lambda x: _unit_rms(x, eps)), weight * norm.weight.detach()[None, :]
+    return (lambda x: _norm(norm, x)), weight
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -208,11 +260,22 @@ def _plain_linear(module) -> bool:
     return type(module) is nn.Linear and not _hooked(module)
 
 
+def _plain_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__ in _RMS_NORMS and getattr(module, "variance_epsilon", None) is not None and not _hooked(module)
+
+
+def _unit_rms(x: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` in four operations (``vector_norm`` is a faster
+    reduction than ``mean`` at decode sizes)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x * torch.rsqrt(torch.addcmul(_scalar(eps, x), norm, norm, value=1.0 / x.shape[-1]))
+
+
 _SCALARS: dict = {}
 
 
 def _scalar(value: float, like: Tensor) -> Tensor:
-    """A cached 0-d tensor (addcmul takes tensors)."""
+    """A cached 0-d tensor (``addcmul`` takes tensors)."""
     key = (value, like.dtype, like.device)
     if key not in _SCALARS:
         _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
@@ -220,11 +283,10 @@ def _scalar(value: float, like: Tensor) -> Tensor:
 
 
 def _norm(module: nn.Module, x: Tensor) -> Tensor:
-    """A Llama-style RMSNorm as one fused op in float32 (same formula), else the module itself."""
-    eps = getattr(module, "variance_epsilon", None)
-    if eps is None or x.dtype != torch.float32 or type(module).__name__ not in _RMS_NORMS or _hooked(module):
+    """A Llama-style RMSNorm in float32 through :func:`_unit_rms` (same formula), else the module itself."""
+    if x.dtype != torch.float32 or not _plain_rms_norm(module):
         return module(x)  # (hooks: e.g. DeepSpeed ZeRO-3 gathers the weight in one)
-    return F.rms_norm(x, module.weight.shape, module.weight, eps)
+    return _unit_rms(x, module.variance_epsilon) * module.weight
 
 
 _RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
