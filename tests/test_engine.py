@@ -137,6 +137,26 @@ def test_sampled_frequencies_match_a_known_distribution():
         torch.testing.assert_close(logprob.double(), target[token].log(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("vocab", [1500, 4096])
+def test_two_level_draw_matches_a_known_distribution(vocab):
+    """Vocabularies past one level (blocks of ~sqrt(vocab) entries; 1500 pads its last block):
+    heavy tokens at block edges, the last entry and the rest spread thin are each drawn at
+    their probability, and no padding index is ever returned."""
+    width = 1 << math.ceil(math.log2(vocab) / 2)
+    heavy = [0, width - 1, width, 5 * width + 7, vocab - 1]
+    probs = torch.full((vocab,), 0.3 / (vocab - len(heavy)), dtype=torch.float64)
+    probs[heavy] = torch.tensor([0.2, 0.1, 0.15, 0.05, 0.2], dtype=torch.float64)
+    logits = probs.log().float().expand(20000, -1).contiguous()
+    token, logprob = _sample_step(logits, SamplingParams(4), torch.Generator().manual_seed(0))
+    assert int(token.max()) < vocab
+    freq = torch.bincount(token, minlength=vocab).double() / len(token)
+    observed = torch.cat([freq[heavy], (1 - freq[heavy].sum())[None]])
+    target = torch.cat([probs[heavy], torch.tensor([0.3], dtype=torch.float64)])
+    sd = (target * (1 - target) / len(token)).sqrt()
+    assert ((observed - target).abs() <= 4.5 * sd).all(), (observed, target)
+    torch.testing.assert_close(logprob.double(), probs[token].log(), atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow  # ~5 s: detecting a 1% mass needs ~1e9 vocabulary entries drawn over
 def test_tokens_below_float32_cdf_resolution_are_sampled():
     """A 2**20-token tail of tiny probabilities (1.8e-8 each) after a token holding 98%.

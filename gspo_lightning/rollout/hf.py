@@ -10,6 +10,7 @@ forward and ``DynamicCache``.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -154,7 +155,7 @@ def _sample_step(logits: Tensor, params: SamplingParams, generator: torch.Genera
     return token, picked - total.log().to(picked.dtype)
 
 
-_BLOCK = 1024  # vocabulary entries per block of the two-level draw
+_ONE_LEVEL_MAX = 1024  # up to this vocabulary the float64 cumulative sum of the whole row is cheap
 
 
 def draw(weights: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -162,26 +163,24 @@ def draw(weights: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
 
     Exact to float64 resolution: a float32 cumulative sum over the whole vocabulary cannot
     resolve tokens below ~6e-8 of the mass (at a 152k vocabulary they add up to ~7e-4 of
-    total variation). Two levels instead: a block of ``_BLOCK`` entries from the float64
+    total variation). Large vocabularies take two levels instead: a block from the float64
     cumulative sum of block sums, then an entry from the float64 cumulative sum of that block
-    alone. The only full-vocabulary pass is the float32 block sum (``torch.multinomial``
+    alone. Blocks are ~sqrt(vocabulary) wide (a power of two), so both cumulative sums are
+    short; the only full-vocabulary pass is the float32 block sum (``torch.multinomial``
     draws an exponential variate per entry, ~40x slower at a 32k vocabulary, and a float64
     cumulative sum of the whole row ~5x). One uniform number per row from ``generator``.
     """
     rows, vocab = weights.shape
-    if vocab <= _BLOCK:  # one block: the float64 cumulative sum of the row is cheap
+    if vocab <= _ONE_LEVEL_MAX:
         ends = weights.double().cumsum(-1)
         total = ends[:, -1:]
         return torch.searchsorted(ends, _uniform_below(total, generator), right=True).squeeze(-1), total.squeeze(-1)
-    width = _BLOCK
-    full = vocab // width * width
-    blocks = weights[:, :full].view(rows, full // width, width)
-    mass = blocks.sum(-1)
-    tail = None
-    if full < vocab:  # the last, shorter block, padded with zero weights
-        tail = F.pad(weights[:, full:], (0, width - (vocab - full)))
-        mass = torch.cat([mass, tail.sum(-1, keepdim=True)], -1)
-    mass = mass.double()  # (rows, blocks)
+    width = 1 << math.ceil(math.log2(vocab) / 2)
+    count = -(-vocab // width)
+    if count * width != vocab:  # zero weights after the last entry: never drawn
+        weights = F.pad(weights, (0, count * width - vocab))
+    blocks = weights.view(rows, count, width)
+    mass = blocks.sum(-1).double()  # (rows, count)
     ends = mass.cumsum(-1)
     total = ends[:, -1:]
     u = _uniform_below(total, generator)
@@ -189,15 +188,11 @@ def draw(weights: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     block = torch.searchsorted(ends, u, right=True)
     block_mass = mass.gather(-1, block)
     frac = ((u - (ends.gather(-1, block) - block_mass)) / block_mass).clamp_(0.0, 1.0)  # where u falls in it
-    index = block.squeeze(-1)
-    within = blocks[torch.arange(rows, device=weights.device), index.clamp(max=blocks.shape[1] - 1)]
-    if tail is not None:
-        within = torch.where((index == blocks.shape[1])[:, None], tail, within)
-    within = within.double().cumsum(-1)
+    within = blocks.gather(1, block[:, :, None].expand(rows, 1, width)).squeeze(1).double().cumsum(-1)
     within_total = within[:, -1:]
     target = torch.minimum(frac * within_total, torch.nextafter(within_total, torch.zeros_like(within_total)))
     offset = torch.searchsorted(within, target, right=True).squeeze(-1)
-    return index * width + offset, total.squeeze(-1)
+    return block.squeeze(-1) * width + offset, total.squeeze(-1)
 
 
 def _uniform_below(total: Tensor, generator: torch.Generator) -> Tensor:
