@@ -184,8 +184,9 @@ class KVDecoder:
 
 # Fused copies of a layer's weights (rebuilt for every generation: the weights change
 # between rollouts) save matmul calls and elementwise passes per layer and step, which pays
-# where a call costs more than its arithmetic; the copies cost memory, so only small models
-# get them.
+# where a call costs more than its arithmetic: models up to this many bytes of projection
+# weights. Above it matmuls dominate and the copies cost more than they save (a 25M model,
+# 100 MB: 31 decode steps of 64 rows 1.41 s fused vs 1.35 s unfused).
 _FUSE_MAX_BYTES = 64 * 2**20
 
 
