@@ -145,7 +145,9 @@ class KVDecoder:
             qk = torch.cat((q_norm(qkv[:, :q_width].view(qkv.shape[0], -1, attn.head_dim)),
                             k_norm(qkv[:, q_width:q_width + k_width].view(qkv.shape[0], -1, attn.head_dim))), dim=1)
         out = self._attend(qk, qkv[:, q_width + k_width:], index, column, cos, signed_sin, attn.scaling)
-        hidden = torch.addmm(hidden, out, fused.o) if fused.o_bias is None else hidden + F.linear(out, fused.o.t(), fused.o_bias)
+        hidden = torch.addmm(hidden, out, fused.o)
+        if fused.o_bias is not None:
+            hidden = hidden + fused.o_bias
         gate, up = F.linear(fused.post_norm(hidden), fused.gate_up).chunk(2, dim=-1)
         return torch.addmm(hidden, fused.act(gate) * up, fused.down)
 
