@@ -210,6 +210,32 @@ def test_samples_the_policy_itself_so_weights_are_never_pushed(tiny_echo):
                                     response_length=4, seed=0, eos_token_ids=[1], pad_token_id=0))
 
 
+def test_results_are_ordinary_tensors_and_hooked_models_decode_under_no_grad(tiny_gsm8k):
+    """Plain models decode under inference_mode (leaner), but the results must be ordinary
+    tensors: the trainer saves tokens for backward and edits them in place. Hooks (ZeRO-3
+    gathering, MoE routing records) keep tensors they create, so hooked models use no_grad."""
+    engine, tok = make_engine(tiny_gsm8k)
+    model = tiny_gsm8k[0]
+    seen = []
+    plain = engine.generate(prompts(tok), 2, SamplingParams(max_new_tokens=6), seed=5)
+    for t in (plain.completion_ids, plain.logprobs, plain.lengths, plain.truncated):
+        assert not t.is_inference()
+    plain_logprobs = plain.logprobs.clone()
+    plain.completion_ids[0, 0] = tok.pad_token_id  # in place: an inference tensor would raise here
+    weight = torch.randn(plain.logprobs.shape, requires_grad=True)
+    (weight * plain.logprobs).sum().backward()  # saved for backward: likewise
+    handle = model.get_decoder().layers[0].register_forward_hook(
+        lambda module, args, output: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        hooked = engine.generate(prompts(tok), 2, SamplingParams(max_new_tokens=6), seed=5)
+    finally:
+        handle.remove()
+    assert seen and not any(seen)
+    # same samples either way (the hooked layer takes the unfused decode path: rounding differs)
+    assert torch.allclose(hooked.logprobs, plain_logprobs, atol=1e-5)
+    assert not plain.logprobs.requires_grad and not hooked.logprobs.requires_grad
+
+
 def test_generation_batch_size_must_be_positive():
     with pytest.raises(ValueError, match="generation_batch_size"):
         HFEngine(generation_batch_size=0)

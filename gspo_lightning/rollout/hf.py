@@ -70,10 +70,16 @@ class HFEngine(RolloutEngine):
                  for i in range(0, len(prompt_ids), per_chunk)]
         return _concat(parts, self.pad_token_id)
 
-    @torch.no_grad()
     def _sample_groups(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator, device) -> Generation:
         """``n`` samples of each prompt. The prompt is prefilled once and its KV cache copied to
         the ``n`` samples, instead of prefilling every prompt ``n`` times."""
+        with _grad_free_mode(self.model, sharded=self.all_finished is not None):
+            out = self._sample_groups_no_grad(prompts, n, params, generator, device)
+        # ordinary tensors again: the trainer saves the tokens for backward and edits results in place
+        return Generation(*(t.clone() for t in (out.completion_ids, out.logprobs, out.lengths, out.truncated)))
+
+    def _sample_groups_no_grad(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                               generator: torch.Generator, device) -> Generation:
         model = self.model
         was_training = model.training
         model.eval()
@@ -118,6 +124,15 @@ class HFEngine(RolloutEngine):
             return Generation(completion_ids, token_logprobs, lengths, truncated=~has_eos)
         finally:
             model.train(was_training)
+
+
+def _grad_free_mode(model: nn.Module, sharded: bool):
+    """``inference_mode`` where it is safe, else ``no_grad``. ``inference_mode`` skips
+    autograd's version counters and view tracking on every op (~6% of a small model's decode
+    step). Hooked models (DeepSpeed ZeRO-3 gathering, MoE routing records) and sharded ones
+    create tensors in a forward that must stay ordinary for the next training forward."""
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return torch.no_grad() if hooked or sharded else torch.inference_mode()
 
 
 class _CacheDecoder:
