@@ -74,11 +74,11 @@ class HFEngine(RolloutEngine):
         """``n`` samples of each prompt. The prompt is prefilled once and its KV cache copied to
         the ``n`` samples, instead of prefilling every prompt ``n`` times."""
         with _grad_free_mode(self.model, sharded=self.all_finished is not None):
-            out = self._sample_groups_no_grad(prompts, n, params, generator, device)
+            out = self._sample_groups_grad_free(prompts, n, params, generator, device)
         # ordinary tensors again: the trainer saves the tokens for backward and edits results in place
         return Generation(*(t.clone() for t in (out.completion_ids, out.logprobs, out.lengths, out.truncated)))
 
-    def _sample_groups_no_grad(self, prompts: list[list[int]], n: int, params: SamplingParams,
+    def _sample_groups_grad_free(self, prompts: list[list[int]], n: int, params: SamplingParams,
                                generator: torch.Generator, device) -> Generation:
         model = self.model
         was_training = model.training
@@ -131,7 +131,7 @@ def _grad_free_mode(model: nn.Module, sharded: bool):
     autograd's version counters and view tracking on every op (~6% of a small model's decode
     step). Hooked models (DeepSpeed ZeRO-3 gathering, MoE routing records) and sharded ones
     create tensors in a forward that must stay ordinary for the next training forward."""
-    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    hooked = any(kv_decode._hooked(m) for m in model.modules())
     return torch.no_grad() if hooked or sharded else torch.inference_mode()
 
 
