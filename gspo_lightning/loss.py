@@ -133,6 +133,7 @@ def policy_loss(
     num_seqs: Count = None,
     num_tokens: Count = None,
     horizon: Optional[int] = None,
+    is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped surrogate loss (to minimize) and its diagnostics.
 
@@ -151,6 +152,8 @@ def policy_loss(
         dual_clip: ``c > 1`` bounds the loss of negative-advantage samples by ``c * |A|``.
         ref_logprobs, kl_coef, kl_estimator: the KL-to-reference term, when ``kl_coef > 0``.
         num_seqs, num_tokens, horizon: global denominators, see :func:`aggregate_loss`.
+        is_weights: ``(B,)`` or ``(B, T)`` off-policy importance weights (``offpolicy.py``,
+            no gradient) multiplying each token's surrogate (not the KL term); ``None``: 1.
 
     Returns:
         ``(loss, metrics)`` where metrics are detached scalars of this batch: clip
@@ -194,6 +197,9 @@ def policy_loss(
         dual_active = (advantages < 0) & (surrogate < dual_clip * advantages) & valid
         surrogate = torch.where(dual_active, dual_clip * advantages, surrogate)
     token_loss = -surrogate
+    if is_weights is not None:
+        weights = is_weights.detach().to(logprobs.dtype)
+        token_loss = token_loss * (weights[:, None] if weights.dim() == 1 else torch.where(valid, weights, zeros))
 
     kl = None
     if ref_logprobs is not None:
