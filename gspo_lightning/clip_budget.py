@@ -122,12 +122,15 @@ class ClipBudget:
     def __init__(self, level: str, clip_low: float, clip_high: float):
         self.level, self.clip_low, self.clip_high = level, clip_low, clip_high
         self.old = self.behaviour = self.behaviour_old = None
-        self.old_is_behaviour = False
+        self.old_is_behaviour = self.same_weights = False
         self.active = False
 
-    def begin(self, *, old: Optional[Tensor], behaviour: Tensor, behaviour_old: Optional[Tensor], old_is_behaviour: bool) -> None:
+    def begin(self, *, old: Optional[Tensor], behaviour: Tensor, behaviour_old: Optional[Tensor], old_is_behaviour: bool,
+              same_weights: bool = False) -> None:
+        """``same_weights``: the rollout was sampled with the weights being updated (no
+        staleness), so ``o_b = o`` whatever ``behaviour_old`` says."""
         self.old, self.behaviour, self.behaviour_old = old, behaviour, behaviour_old
-        self.old_is_behaviour = old_is_behaviour
+        self.old_is_behaviour, self.same_weights = old_is_behaviour, same_weights
         self.active = not (old_is_behaviour and old is None)  # bypass without o: nothing to split
 
     def __call__(self, micro) -> dict[str, tuple[Tensor, Tensor]]:
@@ -135,7 +138,7 @@ class ClipBudget:
             return {}
         rows = micro.rows
         old = self.old[rows] if self.old is not None else micro.old_logprobs
-        behaviour_old = self.behaviour_old[rows] if self.behaviour_old is not None else None
+        behaviour_old = old if self.same_weights else self.behaviour_old[rows] if self.behaviour_old is not None else None
         parts = split_log_ratio(micro.logprobs, old, self.behaviour[rows], behaviour_old)
         names = tuple(parts)
         in_clip = names if self.old_is_behaviour else ("update",)

@@ -125,13 +125,16 @@ class EndlessBatchSampler(Sampler[list[int]]):
             random.Random(self.seed * 100003 + epoch).shuffle(order)
         return order
 
+    def batch(self, index: int) -> list[int]:
+        """This rank's row indices of batch ``index`` (counting from 0 over the whole run)."""
+        epoch, within = divmod(index, self.batches_per_pass)
+        start = within * self.batch_size * self.world_size + self.rank * self.batch_size
+        return self._order(epoch)[start:start + self.batch_size]
+
     def __iter__(self) -> Iterator[list[int]]:
         batch = self.start_batch
         while True:
-            epoch, within = divmod(batch, self.batches_per_pass)
-            order = self._order(epoch)
-            start = within * self.batch_size * self.world_size + self.rank * self.batch_size
-            yield order[start:start + self.batch_size]
+            yield self.batch(batch)
             batch += 1
 
 
@@ -206,6 +209,7 @@ class PromptDataModule(L.LightningDataModule):
         # read from the module) so the data module owns its own state
         self.batches_consumed = 0
         self.start_batch = 0
+        self.train_sampler: Optional[EndlessBatchSampler] = None
 
     # -- preparation -------------------------------------------------------------------
     def _get_tokenizer(self):
@@ -358,7 +362,15 @@ class PromptDataModule(L.LightningDataModule):
             len(self.train_rows), hp.rollout_batch_size // world, rank=rank, world_size=world,
             shuffle=hp.shuffle, seed=hp.seed, start_batch=self.start_batch,
         )
+        self.train_sampler = sampler
         return DataLoader(self.train_rows, batch_sampler=sampler, collate_fn=self._collate_train)
+
+    def train_batch(self, index: int) -> dict[str, Any]:
+        """Training batch ``index`` of the stream, as the loader yields it at that step: lets
+        an asynchronous run generate the next batches ahead without moving the resume position."""
+        if self.train_sampler is None:
+            self.train_dataloader()
+        return self._collate_train([self.train_rows[i] for i in self.train_sampler.batch(index)])
 
     def val_dataloader(self) -> DataLoader:
         if not self.val_rows:

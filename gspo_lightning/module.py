@@ -9,6 +9,10 @@ One ``training_step`` turns a batch of prompts into updates:
 4. the updates: ``ppo_epochs`` x mini-batches x micro-batches (``update.py``)
 5. metrics -> loggers. ``policy_version`` counts optimizer steps; the trainer's step
    counter (``max_steps``, the progress bar, the logs) counts rollout steps.
+
+With ``max_staleness > 0`` step 1 takes a rollout generated ahead on a background thread
+(``rollout/pipeline.py``); the off-policy correction (``offpolicy.py``) and the clip budget
+(``clip_budget.py``) are components the step calls with explicit tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
+from gspo_lightning.clip_budget import ClipBudget
 from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.evaluation import record_eval_rollout
@@ -36,12 +41,14 @@ from gspo_lightning.loggers import logger_identity
 from gspo_lightning.logprobs import response_logprobs
 from gspo_lightning.metrics import StepMetrics, record_rollout
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
+from gspo_lightning.offpolicy import OffPolicyCorrection, correct
 from gspo_lightning.options import (
     AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, RewardNorm,
     clip_range, validate_gspo_settings,
 )
 from gspo_lightning.rewards.base import RewardComposer, RewardSpec
 from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine, RolloutWorker, SamplingParams
+from gspo_lightning.rollout.pipeline import RolloutPipeline, StaleRollouts
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.update import MetricHook, PolicyUpdater, UpdateOps, UpdateSettings, plan_batches
 
@@ -106,6 +113,18 @@ class GSPOModule(L.LightningModule):
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models). MoE policies always log how much routing changed since the old pass.
         router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
+        max_staleness: ``k``: generate the rollouts of the next ``k`` steps while this one trains
+            (0: synchronous, on-policy; the default). The lag is counted in rollout steps; needs
+            an engine with its own weights (``HFCopyEngine``, vLLM), see docs/async.md.
+        stale_rollouts: a rollout more than ``k`` steps old (after a resume with a smaller ``k``):
+            ``regenerate`` it with the current weights, or ``reweight`` it (keep it for the
+            off-policy correction, which must then be set). Counted as ``async/out_of_window``.
+        off_policy: importance correction of the engine (behaviour) policy against the old
+            policy (``offpolicy.OffPolicyCorrection``: ``mode`` decoupled / bypass, ``level``
+            seq / token / seq-product, ``method`` truncate / mask, thresholds); ``null``: off.
+        clip_budget: log which part of the clipped log-ratio is engine numerics, staleness or
+            the update (``clip_budget/*``). With ``old_logprobs: engine`` this costs one extra
+            no-grad pass per rollout (the trainer's log-probs to split against).
         export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
             to ``<log dir>/hf_model`` when ``fit`` ends.
         rollout_seed: base seed of sampling (``null``: the run's ``seed_everything`` seed).
@@ -164,6 +183,10 @@ class GSPOModule(L.LightningModule):
         routing_replay: bool = False,
         router_aux_loss_coef: float = 0.0,
         export_on_fit_end: bool = True,
+        max_staleness: int = 0,
+        stale_rollouts: StaleRollouts = "regenerate",
+        off_policy: Optional[OffPolicyCorrection] = None,
+        clip_budget: bool = True,
         rollout_seed: Optional[int] = None,
         prompt_length: Optional[int] = None,
         rollout_batch_size: Optional[int] = None,
@@ -172,14 +195,19 @@ class GSPOModule(L.LightningModule):
         lr_scheduler: Optional[LRSchedulerCallable] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "metric_hooks"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "metric_hooks", "off_policy"])
         # plain dicts, so checkpoints load with torch.load(weights_only=True)
         self.hparams["rewards"] = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None
+        if isinstance(off_policy, dict):  # from a checkpoint's hyper-parameters
+            off_policy = OffPolicyCorrection(**off_policy)
+        self.off_policy = off_policy
+        self.hparams["off_policy"] = dataclasses.asdict(off_policy) if off_policy is not None else None
         validate_gspo_settings(dict(self.hparams))
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.metric_hooks: list[MetricHook] = list(metric_hooks or [])
         self.clip_low, self.clip_high = clip_range(importance_sampling, clip_low, clip_high)
+        self.clip_budget = ClipBudget(importance_sampling, self.clip_low, self.clip_high) if clip_budget else None
+        self.metric_hooks: list[MetricHook] = list(metric_hooks or []) + ([self.clip_budget] if clip_budget else [])
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code)
@@ -204,6 +232,8 @@ class GSPOModule(L.LightningModule):
         self.grad_sync = GradientSync()
         self.sharded = False  # parameters split over ranks (FSDP2)
         self._updater_state: dict[str, int] = {}
+        self.pipeline: Optional[RolloutPipeline] = None  # max_staleness > 0: rollouts made ahead
+        self._pending_rollouts: Optional[dict] = None  # from a checkpoint, for the pipeline
         self._trained_this_fit = False
 
     # -- models ------------------------------------------------------------------------
@@ -274,8 +304,41 @@ class GSPOModule(L.LightningModule):
         if self.hparams.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
             self._build_updater(self.hparams.rollout_batch_size)
         self._start_worker()
+        if self.hparams.max_staleness > 0:
+            self._start_pipeline()
+
+    def _start_pipeline(self) -> None:
+        hp = self.hparams
+        engine = self.worker.engine
+        if engine.shares_policy_weights:
+            raise ValueError(f"max_staleness={hp.max_staleness} generates while the policy trains, but {type(engine).__name__} "
+                             f"samples from the policy's own weights: use an engine with its own copy "
+                             f"(gspo_lightning.rollout.HFCopyEngine with dtype float32, or VLLMEngine) or max_staleness: 0")
+        batch_at = getattr(self.trainer.datamodule, "train_batch", None)
+        if batch_at is None:
+            raise ValueError("max_staleness > 0 reads the prompt batches of future steps with the data module's "
+                             "train_batch(index): use gspo_lightning.data.PromptDataModule (or give yours that method)")
+        self.pipeline = RolloutPipeline(self._producer_rollout, batch_at, hp.max_staleness, hp.stale_rollouts)
+        if self._pending_rollouts is not None:
+            self.pipeline.load_state_dict(self._pending_rollouts, self.device)
+            self._pending_rollouts = None
+
+    def _producer_rollout(self, batch: dict, step: int) -> Rollout:
+        """On the producer thread: a training rollout, and, when the engine is an exact float32
+        copy of the policy, the trainer's log-probs at the sampling weights (the clip budget's o_b)."""
+        rollout = self.worker.rollout(batch, seed=self.sampling_seed(step), device=self.device, evaluation=False)
+        engine = self.worker.engine
+        if self.clip_budget is not None and getattr(engine, "dtype", None) == "float32" and getattr(engine, "weight_quantization", 1) is None:
+            rollout.behaviour_trainer_logprobs = self._logprobs_no_grad(engine.model, rollout)
+        return rollout
+
+    def teardown(self, stage: str) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def on_validation_start(self) -> None:
+        if self.pipeline is not None:  # the engine gets the current weights for evaluation: idle first
+            self.pipeline.drain()
         self._start_worker()
 
     def on_test_start(self) -> None:
@@ -338,9 +401,12 @@ class GSPOModule(L.LightningModule):
         rank = self.global_rank if self._trainer is not None else 0
         return ((base * 1_000_003 + step) * 1031 + rank) % (2**63 - 1)
 
-    def _rollout(self, batch: dict, seed: int, evaluation: bool) -> Rollout:
+    def _push_weights(self) -> dict[str, float]:
         root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
-        sync = self.worker.sync_weights(self.policy_version, lambda: iter_policy_weights(self.policy, root=root))
+        return self.worker.sync_weights(self.policy_version, lambda: iter_policy_weights(self.policy, root=root))
+
+    def _rollout(self, batch: dict, seed: int, evaluation: bool) -> Rollout:
+        sync = self._push_weights()
         rollout = self.worker.rollout(batch, seed=seed, device=self.device, evaluation=evaluation)
         rollout.timings.update(sync)
         return rollout
@@ -358,7 +424,7 @@ class GSPOModule(L.LightningModule):
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:
         """Log-probs of every response in micro-batches (old policy / reference passes)."""
-        micro = self.updater.settings.micro_batch_size
+        micro = self.updater.settings.micro_batch_size if self.updater is not None else rollout.num_responses
         rows = torch.arange(rollout.num_responses, device=self.device)
         was_training = model.training
         model.eval()
@@ -375,14 +441,19 @@ class GSPOModule(L.LightningModule):
     def _needs_old_pass(self, num_responses: int) -> bool:
         """With exactly one update, the old log-probs equal the first forward's own: skip the pass."""
         s, hp = self.updater.settings, self.hparams
-        return s.ppo_epochs * (num_responses // s.mini_batch_size) > 1 or hp.add_token_level_kl or hp.routing_replay
+        decoupled = self.off_policy is not None and self.off_policy.mode == "decoupled"  # weights need o before any update
+        return s.ppo_epochs * (num_responses // s.mini_batch_size) > 1 or hp.add_token_level_kl or hp.routing_replay or decoupled
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
         hp = self.hparams
         step_start = time.perf_counter()
-        rollout = self._rollout(batch, self.sampling_seed(self.rollout_steps), evaluation=False)
-        if rollout.policy_version != self.policy_version:
-            raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {self.policy_version}")
+        if self.pipeline is not None:
+            rollout, async_stats = self.pipeline.next(self.rollout_steps, batch, self._push_weights)
+            async_stats["async/lag_versions"] = float(self.policy_version - rollout.policy_version)
+        else:
+            rollout, async_stats = self._rollout(batch, self.sampling_seed(self.rollout_steps), evaluation=False), {}
+            if rollout.policy_version != self.policy_version:
+                raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {self.policy_version}")
         if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
             self._build_updater(len(batch["prompt_ids"]) * self.trainer.world_size)
         s = self.updater.settings
@@ -397,8 +468,14 @@ class GSPOModule(L.LightningModule):
         elif self._needs_old_pass(rollout.num_responses):
             with self.router.record() if self.router is not None else contextlib.nullcontext():
                 old = self._logprobs_no_grad(self.policy, rollout)
+        # the trainer's own log-probs at this update's start (o): the old policy, or for the
+        # clip budget / off-policy metrics beside the engine's old policy (bypass)
+        trainer_old = old if hp.old_logprobs == "recompute" else None
+        if trainer_old is None and hp.old_logprobs == "engine" and (self.clip_budget is not None or self.off_policy is not None):
+            trainer_old = self._logprobs_no_grad(self.policy, rollout)
         ref = self._logprobs_no_grad(self.reference, rollout) if self.reference is not None else None
         time_logprobs = time.perf_counter() - start
+        is_weights = self._off_policy_step(rollout, trainer_old, async_stats)
 
         scores, advantages = rewards_to_advantages(
             rollout.rewards, rollout.response_mask, rollout.group_size,
@@ -416,12 +493,30 @@ class GSPOModule(L.LightningModule):
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
         self.policy_version += self.updater.run(
             rollout, advantages, old, ref, lambda rows: self._logprobs(self.policy, rollout, rows), self._update_ops(),
-            router=self.router, generator=generator,
+            router=self.router, generator=generator, is_weights=is_weights,
         )
         time_train = time.perf_counter() - start
         self.rollout_steps += 1
         self._trained_this_fit = True
         self._log_step(batch, rollout, advantages, time_logprobs, time_train, time.perf_counter() - step_start)
+
+    def _off_policy_step(self, rollout: Rollout, trainer_old: Optional[Tensor], stats: dict[str, float]) -> Optional[Tensor]:
+        """The importance weights of this rollout (``None``: no correction), its metrics and
+        the clip budget's tensors. ``trainer_old`` is ``o``, or ``None`` when the first
+        forward is the old policy (one update per rollout, recompute)."""
+        for name, value in stats.items():
+            self.step_metrics.update(name, value)
+        synchronous = rollout.policy_version == self.policy_version
+        if self.clip_budget is not None:
+            self.clip_budget.begin(old=trainer_old, behaviour=rollout.engine_logprobs,
+                                   behaviour_old=rollout.behaviour_trainer_logprobs,
+                                   old_is_behaviour=self.hparams.old_logprobs == "engine", same_weights=synchronous)
+        if self.off_policy is None or trainer_old is None:
+            return None
+        correction = correct(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy)
+        for name, value in correction.metrics.items():
+            self.step_metrics.update(f"off_policy/{name}", value, kind="max" if name == "weight_max" else "mean")
+        return correction.weights
 
     def _update_ops(self) -> UpdateOps:
         optimizer = self.optimizers()
@@ -513,6 +608,8 @@ class GSPOModule(L.LightningModule):
             "loggers": [identity for identity in map(logger_identity, self.trainer.loggers) if identity],
             **(self.updater.state_dict() if self.updater is not None else self._updater_state),
         }
+        if self.pipeline is not None:  # what was generated but not trained on yet
+            checkpoint["gspo"]["pending_rollouts"] = self.pipeline.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.reference is not None:
@@ -525,3 +622,7 @@ class GSPOModule(L.LightningModule):
             self._updater_state = {k: state.get(k, 0) for k in ("skipped_updates", "consecutive_nonfinite")}
             if self.updater is not None:
                 self.updater.load_state_dict(self._updater_state)
+            self._pending_rollouts = state.get("pending_rollouts")
+            if self.pipeline is not None and self._pending_rollouts is not None:
+                self.pipeline.load_state_dict(self._pending_rollouts, self.device)
+                self._pending_rollouts = None

@@ -94,6 +94,18 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
         problems.append(f"top_p must be in (0, 1], got {s['top_p']}")
     if s["top_k"] < 0:
         problems.append(f"top_k must be >= 0 (0: off), got {s['top_k']}")
+    if s.get("max_staleness", 0) < 0:
+        problems.append(f"max_staleness must be >= 0 (0: synchronous), got {s['max_staleness']}")
+    if s.get("stale_rollouts", "regenerate") not in ("regenerate", "reweight"):
+        problems.append(f"stale_rollouts must be 'regenerate' or 'reweight', got {s['stale_rollouts']!r}")
+    if s.get("stale_rollouts") == "reweight" and s.get("max_staleness", 0) > 0 and not s.get("off_policy"):
+        problems.append("stale_rollouts=reweight keeps too-stale rollouts for the importance correction, and off_policy is "
+                        "not set: set off_policy (e.g. {mode: decoupled}) or stale_rollouts=regenerate")
+    if s.get("off_policy"):
+        from gspo_lightning.offpolicy import OffPolicyCorrection, check_correction
+
+        problems += check_correction(OffPolicyCorrection(**s["off_policy"]), old_logprobs=s["old_logprobs"],
+                                     importance_sampling=s["importance_sampling"])
     if problems:
         raise ValueError("invalid GSPO configuration:\n  - " + "\n  - ".join(problems))
     _warn_surprises(s)

@@ -145,13 +145,15 @@ class PolicyUpdater:
         *,
         router=None,
         generator: Optional[torch.Generator] = None,
+        is_weights: Optional[Tensor] = None,
     ) -> int:
         """All updates of one rollout; returns the number of optimizer steps taken.
 
         ``policy_logprobs(rows) -> (logprobs, entropy)`` runs the policy with grad on rows
         of the rollout. ``old`` is ``None`` when exactly one update follows a recompute (the
         first forward's own log-probs are the old ones). ``router`` is the MoE
-        ``RoutingRecorder`` when the policy has experts.
+        ``RoutingRecorder`` when the policy has experts. ``is_weights`` (``(N,)`` or
+        ``(N, T)``) are off-policy importance weights multiplying the surrogate (``offpolicy.py``).
         """
         s = self.settings
         num = rollout.num_responses
@@ -180,6 +182,7 @@ class PolicyUpdater:
                         ref_logprobs=ref[rows] if ref is not None else None,
                         kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
                         num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
+                        is_weights=is_weights[rows] if is_weights is not None else None,
                     )
                     if not self._finite_everywhere(loss, ops):
                         finite = False  # every rank skips together: sharded backwards are collective

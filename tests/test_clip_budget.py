@@ -91,6 +91,10 @@ def test_split_and_the_hook_on_a_micro_batch():
     # decoupled: the same rollout, the clip on lp - o: nothing clips
     hook.begin(old=o, behaviour=b, behaviour_old=o_b, old_is_behaviour=False)
     assert float(hook(micro)["clip_budget/clip_frac"][0]) == 0.0
+    # synchronous: o_b = o, so the staleness part is 0 and response 1's gap counts as numerics
+    hook.begin(old=o, behaviour=b, behaviour_old=None, old_is_behaviour=True, same_weights=True)
+    metrics = {k: float(v[0]) for k, v in hook(micro).items()}
+    assert metrics["clip_budget/numerics"] == 1.0 and metrics["clip_budget/staleness"] == 0.0
     # bypass without recomputed old log-probs: nothing to split, no metrics
     hook.begin(old=None, behaviour=b, behaviour_old=None, old_is_behaviour=True)
     assert hook(micro) == {}

@@ -44,6 +44,9 @@ class Rollout:
     scored: Optional[Tensor] = None  # (N,) bool: False where no reward function gave a score
     timings: dict[str, float] = field(default_factory=dict)
     reward_errors: int = 0
+    # the trainer's log-probs at the weights that sampled (o_b), when the producer kept them
+    # (an asynchronous producer with a float32 copy): the clip budget's numerics / staleness split
+    behaviour_trainer_logprobs: Optional[Tensor] = None
 
     @property
     def num_responses(self) -> int:

@@ -1,0 +1,160 @@
+"""Rollouts generated ahead, on a background thread, with bounded staleness.
+
+With ``max_staleness: k >= 1`` the rollouts of the next ``k`` steps are generated while the
+current step trains. The unit of staleness is the **rollout step** (one prompt batch, one
+``training_step``): a rollout sampled with the weights the policy had at the start of
+step ``s`` and trained on at step ``t`` has a lag of ``t - s``. The lag in optimizer steps
+(``policy_version``) is ``num_mini_batches x ppo_epochs`` times that and is logged too.
+
+The schedule is fixed, so a run is reproducible and resumable bit for bit on a
+deterministic engine. At the start of step ``t``:
+
+1. wait until the producer is idle (an engine must not receive weights mid-generation);
+2. push the policy's weights (version of step ``t``) to the engine;
+3. submit the batches of steps ``t .. t + k`` not yet submitted, in order (batch ``t + k``
+   in steady state; all of them on the first step, which waits for its own);
+4. take step ``t``'s rollout: sampled at step ``t - k`` (lag ``k``; less in the first steps).
+
+Step ``t``'s training then overlaps the generation of batch ``t + k``. A rollout whose lag
+exceeds ``k`` (after a resume with a smaller ``k``, or from an engine that reports older
+weights) is never silently used or dropped: ``regenerate`` samples it again with the
+current weights, ``reweight`` keeps it for the off-policy correction; both are counted.
+
+A checkpoint holds the rollouts generated but not trained on (after draining the one in
+flight), so a resumed run trains on exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+import torch
+
+from gspo_lightning.rollout.worker import Rollout
+
+StaleRollouts = Literal["regenerate", "reweight"]
+
+
+@dataclass
+class PendingRollout:
+    step: int  # the rollout step that trains on it (its batch's index in the prompt stream)
+    sampled_at: int  # the rollout step whose weights sampled it
+    prompt_ids: list[list[int]]
+    future: Future
+
+
+class RolloutPipeline:
+    """The producer (one background thread) and the queue of rollouts it made.
+
+    Args:
+        generate: ``generate(batch, step) -> Rollout``, the worker's rollout of a batch with
+            the seed of ``step``, run on the producer thread with the engine's current weights.
+        batch_at: ``batch_at(step) -> batch``, the prompt batch of a future step.
+        max_staleness: ``k >= 1``, the largest lag (in rollout steps) a rollout may have.
+        stale_rollouts: what to do with a rollout beyond ``k``: ``regenerate`` or ``reweight``.
+    """
+
+    def __init__(self, generate: Callable[[dict, int], Rollout], batch_at: Callable[[int], dict], max_staleness: int,
+                 stale_rollouts: StaleRollouts = "regenerate"):
+        if max_staleness < 1:
+            raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
+        if stale_rollouts not in ("regenerate", "reweight"):
+            raise ValueError(f"stale_rollouts must be regenerate or reweight, got {stale_rollouts!r}")
+        self.generate, self.batch_at = generate, batch_at
+        self.max_staleness, self.stale_rollouts = max_staleness, stale_rollouts
+        self.pending: dict[int, PendingRollout] = {}
+        self.executor: Optional[ThreadPoolExecutor] = None
+
+    def _run(self, batch: dict, step: int) -> Future:
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-producer")
+        return self.executor.submit(self.generate, batch, step)
+
+    def _submit(self, step: int, sampled_at: int, batch: dict) -> None:
+        future = self._run(batch, step)
+        self.pending[step] = PendingRollout(step, sampled_at, [list(p) for p in batch["prompt_ids"]], future)
+
+    def drain(self) -> float:
+        """Wait for every submitted rollout; returns the seconds waited. Raises what the producer raised."""
+        start = time.perf_counter()
+        for pending in list(self.pending.values()):
+            pending.future.result()
+        return time.perf_counter() - start
+
+    def next(self, step: int, batch: dict, push_weights: Callable[[], dict[str, float]]) -> tuple[Rollout, dict[str, float]]:
+        """Step ``step``'s rollout (``batch`` is that step's prompts, as the loader gave them)
+        and the pipeline's metrics for the step."""
+        waited = self.drain()
+        timings = dict(push_weights())
+        for ahead in range(step, step + self.max_staleness + 1):
+            if ahead not in self.pending:
+                self._submit(ahead, step, batch if ahead == step else self.batch_at(ahead))
+        pending = self.pending.pop(step)
+        start = time.perf_counter()
+        rollout = pending.future.result()
+        waited += time.perf_counter() - start
+        if pending.prompt_ids != [list(p) for p in batch["prompt_ids"]]:
+            raise RuntimeError(f"the rollout queued for step {step} answers other prompts than the loader's batch "
+                               f"{step}: the prompt stream and the pipeline are out of step")
+        lag = step - pending.sampled_at
+        stats = {"async/lag": float(lag), "async/out_of_window": 0.0, "async/regenerated": 0.0}
+        if lag > self.max_staleness:
+            stats["async/out_of_window"] = 1.0
+            if self.stale_rollouts == "regenerate":
+                self.drain()  # the engine holds this step's weights; the queued batches go first
+                rollout = self._run(batch, step).result()
+                stats["async/regenerated"] = 1.0
+                stats["async/lag"] = 0.0
+        stats["time/wait_rollout"] = waited
+        rollout.timings.update(timings)
+        return rollout, stats
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rollouts generated but not trained on (the one in flight is waited for)."""
+        self.drain()
+        return {"pending": [
+            {"step": p.step, "sampled_at": p.sampled_at, "prompt_ids": p.prompt_ids,
+             "rollout": rollout_to_dict(p.future.result())}
+            for p in sorted(self.pending.values(), key=lambda p: p.step)
+        ]}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.pending = {}
+        for item in state.get("pending", []):
+            future: Future = Future()
+            future.set_result(rollout_from_dict(item["rollout"], device))
+            self.pending[item["step"]] = PendingRollout(item["step"], item["sampled_at"], item["prompt_ids"], future)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
+
+
+def rollout_to_dict(rollout: Rollout) -> dict[str, Any]:
+    """A rollout as plain containers and CPU tensors (loadable with ``weights_only=True``)."""
+    def plain(value):
+        if torch.is_tensor(value):
+            return value.detach().cpu()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+    return {f.name: plain(getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
+
+
+def rollout_from_dict(state: dict[str, Any], device: torch.device) -> Rollout:
+    def on_device(value):
+        if torch.is_tensor(value):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {k: on_device(v) for k, v in value.items()}
+        return value
+    return Rollout(**{k: on_device(v) for k, v in state.items()})
+
+
+__all__ = ["PendingRollout", "RolloutPipeline", "StaleRollouts", "rollout_from_dict", "rollout_to_dict"]

@@ -1,0 +1,164 @@
+"""Asynchronous GSPO: the rollout pipeline's schedule, staleness window and checkpoints
+(``rollout/pipeline.py``), the module's checks, and exact resume of an async run."""
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gspo_lightning.rollout.pipeline import RolloutPipeline, rollout_from_dict, rollout_to_dict
+from gspo_lightning.rollout.worker import Rollout
+
+
+class FakeProducer:
+    """Stands for the worker: the 'engine' holds a weights step; a rollout records which."""
+
+    def __init__(self):
+        self.weights_step = 0
+        self.calls = []
+        self.threads = set()
+
+    def push(self, step):
+        """The weights of ``step`` reach the engine (the pipeline calls this only when idle)."""
+        def push():
+            self.weights_step = step
+            return {"time/weight_sync": 0.0}
+        return push
+
+    def generate(self, batch, step):
+        self.calls.append((step, self.weights_step))
+        self.threads.add(threading.current_thread().name)
+        n = len(batch["prompt_ids"])
+        return Rollout(
+            input_ids=torch.zeros(n, 2, dtype=torch.long), attention_mask=torch.ones(n, 2, dtype=torch.long), prompt_width=1,
+            response_mask=torch.ones(n, 1, dtype=torch.bool), engine_logprobs=torch.zeros(n, 1), rewards=torch.zeros(n),
+            reward_components={"r": torch.zeros(n)}, truncated=torch.zeros(n, dtype=torch.bool), group_size=1,
+            policy_version=self.weights_step, prompts=["p"] * n, completions=["c"] * n,
+        )
+
+
+def batch_at(step):
+    return {"prompt_ids": [[step, 1], [step, 2]]}
+
+
+def run(pipeline, producer, steps, start=0):
+    lags = []
+    for step in range(start, steps):
+        rollout, stats = pipeline.next(step, batch_at(step), producer.push(step))
+        assert rollout.policy_version == step - stats["async/lag"]
+        lags.append(stats["async/lag"])
+    return lags
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_step_trains_on_the_rollout_sampled_k_steps_before(k):
+    producer = FakeProducer()
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=k)
+    lags = run(pipeline, producer, 6)
+    pipeline.close()
+    # first steps: everything up to step k is sampled with the first weights
+    assert lags == [min(step, k) for step in range(6)]
+    # every batch once, in order; batch s + k sampled at step s
+    assert [step for step, _ in producer.calls] == list(range(6 + k))
+    assert producer.calls[k + 2] == (k + 2, 2)
+    assert all(name.startswith("rollout-producer") for name in producer.threads)
+
+
+def test_a_rollout_for_other_prompts_is_refused():
+    producer = FakeProducer()
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1)
+    pipeline.next(0, batch_at(0), producer.push(0))
+    with pytest.raises(RuntimeError, match="out of step"):
+        pipeline.next(1, batch_at(7), producer.push(1))
+    pipeline.close()
+
+
+@pytest.mark.parametrize("policy", ["regenerate", "reweight"])
+def test_checkpoint_round_trip_and_the_window_after_a_smaller_k(policy):
+    producer = FakeProducer()
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=2)
+    run(pipeline, producer, 3)
+    state = pipeline.state_dict()  # steps 3 and 4 are queued, sampled at steps 1 and 2
+    pipeline.close()
+    assert [(p["step"], p["sampled_at"]) for p in state["pending"]] == [(3, 1), (4, 2)]
+
+    # resumed with k = 1: step 3's rollout (lag 2) is out of the window
+    producer.calls.clear()
+    resumed = RolloutPipeline(producer.generate, batch_at, max_staleness=1, stale_rollouts=policy)
+    resumed.load_state_dict(state, torch.device("cpu"))
+    rollout, stats = resumed.next(3, batch_at(3), producer.push(3))
+    assert stats["async/out_of_window"] == 1.0
+    if policy == "regenerate":
+        assert stats["async/regenerated"] == 1.0 and rollout.policy_version == 3 and stats["async/lag"] == 0.0
+        assert producer.calls[-1] == (3, 3)  # sampled again with the weights of step 3
+    else:
+        assert stats["async/regenerated"] == 0.0 and rollout.policy_version == 1 and stats["async/lag"] == 2.0
+    rollout, stats = resumed.next(4, batch_at(4), producer.push(4))  # sampled at 2, lag 2 again
+    assert stats["async/out_of_window"] == 1.0
+    resumed.close()
+
+
+def test_rollout_serialization_round_trip():
+    producer = FakeProducer()
+    rollout = producer.generate(batch_at(0), 0)
+    rollout.behaviour_trainer_logprobs = torch.tensor([[0.5], [0.25]])
+    again = rollout_from_dict(rollout_to_dict(rollout), torch.device("cpu"))
+    for name in ("input_ids", "engine_logprobs", "behaviour_trainer_logprobs"):
+        assert torch.equal(getattr(again, name), getattr(rollout, name))
+    assert again.reward_components.keys() == rollout.reward_components.keys() and again.prompts == rollout.prompts
+
+
+def test_bad_staleness_settings_are_one_clear_line(tmp_path):
+    from tests.test_module import fit, make_module
+
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        make_module(max_staleness=-1)
+    with pytest.raises(ValueError, match="stale_rollouts=reweight .* set off_policy"):
+        make_module(max_staleness=1, stale_rollouts="reweight")
+    with pytest.raises(ValueError, match="HFEngine samples from the policy's own weights"):
+        fit(make_module(max_staleness=1), tmp_path, max_steps=1)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def async_config(folder: Path, max_steps: int, max_staleness: int) -> Path:
+    from tests.test_resume import write_config
+
+    path = write_config(folder, max_steps)
+    config = yaml.safe_load(path.read_text())
+    config["model"].update({
+        "max_staleness": max_staleness,
+        "engine": {"class_path": "gspo_lightning.rollout.HFCopyEngine", "init_args": {"dtype": "float32"}},
+        "off_policy": {"mode": "decoupled", "level": "seq", "method": "truncate"},
+    })
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.slow
+def test_async_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
+    from gspo_lightning.cli import main
+    from tests.test_resume import metric_rows, policy_state
+
+    straight = tmp_path / "straight"
+    main(["fit", "--config", str(async_config(straight, 5, 2))])
+    resumed = tmp_path / "resumed"
+    main(["fit", "--config", str(async_config(resumed, 2, 2))])
+    saved = torch.load(resumed / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert [(p["step"], p["sampled_at"]) for p in saved["gspo"]["pending_rollouts"]["pending"]] == [(2, 0), (3, 1)]
+    main(["fit", "--config", str(async_config(resumed, 5, 2)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
+
+    a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    rows_a, rows_b = metric_rows(straight), metric_rows(resumed)
+    assert sorted(rows_a) == sorted(rows_b) == [2.0, 4.0, 6.0, 8.0, 10.0]
+    for version in rows_a:
+        assert rows_a[version] == rows_b[version], version
+    # the lag in rollout steps: 0, 1, then k = 2; the correction and the clip budget are logged
+    assert [float(rows_a[v]["async/lag"]) for v in sorted(rows_a)] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert all("off_policy/ess" in row and "clip_budget/staleness" in row for row in rows_a.values())
