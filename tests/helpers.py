@@ -46,3 +46,20 @@ def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, respons
     httpd = server.http_server("127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return server, httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+_reward_calls = [0]
+
+
+def reward_that_kills_a_server(prompts, completions, target, **columns):
+    """The successor reward; at call ``$GSPO_TEST_KILL_AT_CALL`` it kills ``$GSPO_TEST_KILL_PID``
+    (a rollout server dying mid-run)."""
+    import os
+    import signal
+
+    from gspo_lightning.tasks.successor import successor_reward
+
+    _reward_calls[0] += 1
+    if _reward_calls[0] == int(os.environ.get("GSPO_TEST_KILL_AT_CALL", "0")):
+        os.kill(int(os.environ["GSPO_TEST_KILL_PID"]), signal.SIGKILL)
+    return successor_reward(prompts, completions, target, **columns)

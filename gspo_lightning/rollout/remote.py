@@ -46,7 +46,7 @@ import torch
 
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
-from gspo_lightning.rollout.server import ServerSpec, fingerprint
+from gspo_lightning.rollout.server import ServerSpec, model_fingerprint
 from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
 from gspo_lightning.rollout.weight_sync import engine_name
 
@@ -167,7 +167,7 @@ class RemoteEngine(RolloutEngine):
         if spec.policy is None:
             raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
         self.identity = {
-            "fingerprint": fingerprint((engine_name(n), p.shape) for n, p in spec.policy.named_parameters()),
+            "fingerprint": model_fingerprint(spec.policy, engine_name),
             "eos_token_ids": sorted(spec.eos_token_ids), "pad_token_id": spec.pad_token_id,
             "model": spec.model_name_or_path,
         }

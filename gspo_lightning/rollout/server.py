@@ -78,10 +78,24 @@ class VersionError(RuntimeError):
     """The server does not serve the version a request asked for."""
 
 
-def fingerprint(named_shapes) -> str:
-    """The model's identity: a hash of its parameter names and shapes, in name order."""
+# config entries that differ between a trainer's and a server's copy of one model
+_CONFIG_NOISE = {"name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "output_hidden_states"}
+
+
+def fingerprint(named_shapes, config: Optional[dict] = None) -> str:
+    """The model's identity: its parameter names and shapes, and its config (heads, rotary
+    settings...: two models can share every shape and still compute differently)."""
     text = "\n".join(f"{name}:{tuple(shape)}" for name, shape in sorted(named_shapes))
+    if config:
+        kept = {k: v for k, v in config.items() if k not in _CONFIG_NOISE and not k.startswith("_")}
+        text += "\n" + json.dumps(kept, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module, name=lambda n: n) -> str:
+    config = getattr(model, "config", None)
+    return fingerprint(((name(n), p.shape) for n, p in model.named_parameters()),
+                       config.to_dict() if config is not None else None)
 
 
 def build_engine(engine: dict) -> RolloutEngine:
@@ -135,7 +149,7 @@ class RolloutServer:
         eos = eos_token_ids(model, tokenizer)
         self.identity = {
             "model": spec.model_name_or_path, "architecture": type(model).__name__,
-            "fingerprint": fingerprint((n, p.shape) for n, p in model.named_parameters()),
+            "fingerprint": model_fingerprint(model),
             "eos_token_ids": sorted(eos), "pad_token_id": tokenizer.pad_token_id, "dtype": spec.dtype,
             "engine": f"{type(self.engine).__module__}.{type(self.engine).__qualname__}",
         }
