@@ -15,7 +15,7 @@ from typing import Optional
 
 import lightning as L
 
-from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.errors import NonFiniteError, RolloutServerError
 from gspo_lightning.rewards.base import RewardError
 
 log = logging.getLogger(__name__)
@@ -96,3 +96,10 @@ class PreemptionCheckpoint(L.Callback):
             trainer.save_checkpoint(path)
             print(f"a reward function failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} "
                   f"is saved in {path}: fix the function, then resume with --ckpt_path {path}", flush=True)
+        elif isinstance(exception, RolloutServerError) and trainer.global_step > 0:
+            # the rollout server is gone: keep the run up to the last finished step
+            path = checkpoint_dir(trainer) / "last.ckpt"
+            trainer.save_checkpoint(path)
+            if trainer.is_global_zero:
+                print(f"no rollouts at step {trainer.global_step + 1}; the run up to step {trainer.global_step} is saved in "
+                      f"{path}: once a rollout server is up, resume with --ckpt_path {path}", flush=True)
