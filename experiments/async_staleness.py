@@ -1,0 +1,216 @@
+"""Asynchronous GSPO on a CPU: overlap speed-up and learning under bounded staleness.
+
+One command regenerates ``docs/results/async/`` (``summary.json``, stamped with the commit,
+and ``README.md``)::
+
+    python experiments/async_staleness.py --out docs/results/async            # ~40 min on 2 loaded cores
+    python experiments/async_staleness.py --smoke --out /tmp/async-smoke      # every arm, 2 steps
+
+Two experiments on the quickstart task (``builtin:successor``, ``builtin:tiny-successor``
+from random weights, 16 prompts x 8 responses of 6 tokens, 4 mini-batches per rollout):
+
+* ``speed``: seconds per rollout step and reward, synchronous (``max_staleness: 0``) vs
+  ``k = 1, 2``, with two engines that hold their own weights: ``HFCopyEngine`` in float32
+  (generation on a background thread of the trainer's process) and ``RemoteEngine`` (the
+  same HF sampling loop in a rollout server process the run starts); and the default
+  ``HFEngine`` (no copy) at ``k = 0`` for reference. Arms run one after another per seed, so the machine
+  load is shared alike; the ratio within a seed is the number to read.
+* ``staleness``: GSPO (sequence ratios, clip 3e-4 / 4e-4) and GRPO (token ratios, 0.2 / 0.27)
+  at ``k = 0, 1, 2, 4``, each ``none`` (recomputed old policy, no weight: the staleness is
+  silently ignored), ``decoupled`` (recomputed old policy, truncated importance weight at the
+  level of the loss: ``seq`` geometric mean for GSPO, ``token`` for GRPO) and ``bypass``
+  (the engine's log-probs as the old policy: the clip sees numerics + staleness + update):
+  final reward and the clip fraction by cause (``clip_budget/*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = {
+    "GSPO": dict(importance_sampling="seq", clip_low=3e-4, clip_high=4e-4),
+    "GRPO": dict(importance_sampling="token", clip_low=0.2, clip_high=0.27),
+}
+CORRECTIONS = ("none", "decoupled", "bypass")
+SETUP = {
+    "speed": dict(ks=[0, 1, 2], seeds=[0, 1, 2], steps=40),
+    "staleness": dict(ks=[0, 1, 2, 4], seeds=[0], steps=40),
+}
+BUDGET = ("clip_budget/clip_frac", "clip_budget/numerics", "clip_budget/staleness", "clip_budget/update",
+          "clip_budget/numerics_alone", "clip_budget/staleness_alone", "loss/clip_frac", "off_policy/ess",
+          "off_policy/bounded_frac", "async/lag")
+
+
+ENGINES = {
+    "HFEngine": None,  # the policy itself: no overlap possible
+    "copy": {"class_path": "gspo_lightning.rollout.HFCopyEngine", "init_args": {"dtype": "float32"}},
+    # the same HF sampling loop in a rollout server process started by the run (no shared GIL)
+    "server": {"class_path": "gspo_lightning.rollout.RemoteEngine",
+               "init_args": {"urls": None, "server_engine": {"class_path": "gspo_lightning.rollout.HFEngine"},
+                             "server_threads": 1}},
+}
+
+
+def config(folder: Path, *, seed: int, steps: int, k: int, engine: str, method: str = "GSPO",
+           correction: str = "none") -> Path:
+    model = {
+        "model_name_or_path": "builtin:tiny-successor",
+        "rewards": [{"function": "gspo_lightning.tasks.successor.successor_reward"}],
+        "num_return_sequences_in_group": 8, "response_length": 6, "adv_estimator": "grpo",
+        "loss_agg_mode": "seq-mean-token-mean", "mini_batch_size": 32, "max_staleness": k,
+        "export_on_fit_end": False,
+        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "weight_decay": 0.0}},
+        **METHODS[method],
+    }
+    if ENGINES[engine] is not None:
+        model["engine"] = ENGINES[engine]
+    if correction == "decoupled":
+        model["off_policy"] = {"mode": "decoupled", "level": "seq" if method == "GSPO" else "token", "method": "truncate"}
+    if correction == "bypass":
+        model["old_logprobs"] = "engine"
+    cfg = {
+        "seed_everything": seed,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": steps, "limit_val_batches": 0,
+                    "num_sanity_val_steps": 0, "enable_progress_bar": False, "enable_model_summary": False,
+                    "enable_checkpointing": False, "default_root_dir": str(folder),
+                    "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                "init_args": {"save_dir": str(folder), "name": "csv"}}]},
+        "model": model,
+        "data": {"path": "builtin:successor", "rollout_batch_size": 16, "prompt_length": 8, "val_size": 0},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run(cfg: Path) -> dict:
+    """Fit in a fresh process; returns the per-step logged rows and the wall time between steps."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.time()
+    out = subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(cfg)], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    rows = []
+    for file in sorted(cfg.parent.glob("csv/version_*/metrics.csv")):
+        with open(file) as handle:
+            rows += [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(handle) if row.get("policy_version")]
+    return {"rows": rows, "wall_s": time.time() - start}
+
+
+def summarize(result: dict, skip: int = 3) -> dict:
+    rows = result["rows"]
+    steady = rows[skip:] or rows
+    tail = rows[-5:]
+    out = {
+        "step_s": statistics.mean(r["time/step"] for r in steady),
+        "final_reward": statistics.mean(r["reward/mean"] for r in tail),
+        "reward_curve": [round(r["reward/mean"], 4) for r in rows],
+        "wall_s": result["wall_s"],
+    }
+    for name in BUDGET:
+        values = [r[name] for r in steady if name in r]
+        if values:
+            out[name] = statistics.mean(values)
+    return out
+
+
+def stamp(argv: list[str]) -> dict:
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--untracked-files=no").splitlines(),
+            "command": "python " + " ".join(argv), "load_at_start": list(os.getloadavg()), "cpus": os.cpu_count(),
+            "python": platform.python_version()}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="every arm, 2 steps, 1 seed")
+    parser.add_argument("--only", choices=list(SETUP), default=None)
+    args = parser.parse_args(argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"stamp": stamp(argv), "setup": SETUP, "speed": {}, "staleness": {}}
+    began = time.time()
+    work = Path(tempfile.mkdtemp(prefix="async-staleness-"))
+    for name in ([args.only] if args.only else list(SETUP)):
+        setup = SETUP[name]
+        seeds, steps = (setup["seeds"][:1], 4) if args.smoke else (setup["seeds"], setup["steps"])
+        for seed in seeds:
+            if name == "speed":
+                arms = [("HFEngine k=0", 0, "HFEngine")] + [(f"{engine} k={k}", k, engine) for engine in ("copy", "server")
+                                                             for k in setup["ks"]]
+                for label, k, engine in arms:
+                    result = summarize(run(config(work / f"speed-{label}-{seed}".replace(" ", "_").replace("=", ""), seed=seed,
+                                                  steps=steps, k=k, engine=engine)))
+                    summary["speed"].setdefault(label, {})[seed] = result
+                    print(f"speed {label} seed {seed}: {result['step_s']:.3f} s/step, reward {result['final_reward']:.3f}", flush=True)
+            else:
+                for method in METHODS:
+                    for k in setup["ks"]:
+                        for correction in CORRECTIONS:
+                            label = f"{method} k={k} {correction}"
+                            folder = work / f"st-{method}-{k}-{correction}-{seed}"
+                            result = summarize(run(config(folder, seed=seed, steps=steps, k=k, engine="copy",
+                                                          method=method, correction=correction)))
+                            summary["staleness"].setdefault(label, {})[seed] = result
+                            print(f"{label} seed {seed}: reward {result['final_reward']:.3f} clip "
+                                  f"{result.get('clip_budget/clip_frac', float('nan')):.4f}", flush=True)
+            summary["stamp"]["wall_min"] = round((time.time() - began) / 60, 1)
+            (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (args.out / "README.md").write_text(readme(summary))
+
+
+def readme(summary: dict) -> str:
+    s = summary["stamp"]
+    lines = [
+        "# Asynchronous GSPO: speed and staleness", "",
+        "Generated by `python experiments/async_staleness.py` (see its docstring); numbers from `summary.json`.", "",
+        f"- commit `{s['commit']}` (tracked files changed at the time: {', '.join(s['dirty']) or 'none'})",
+        f"- command `{s['command']}`, wall time {s.get('wall_min', '?')} min",
+        f"- {s['cpus']} CPUs, load average at start {[round(x, 2) for x in s['load_at_start']]} (a shared, loaded machine: "
+        "timings are provisional; compare arms within a seed)", "",
+    ]
+    if summary["speed"]:
+        lines += ["## Speed: seconds per rollout step (mean after 3 warm-up steps) and final reward (mean of the last 5 steps)", "",
+                  "| arm | s/step per seed | mean s/step | vs the same engine at k=0 (per-seed ratio, mean) | final reward per seed |",
+                  "|---|---|---|---|---|"]
+        for label, seeds in summary["speed"].items():
+            base = summary["speed"].get(label.split(" ")[0] + " k=0", {})
+            times = [seeds[x]["step_s"] for x in seeds]
+            ratios = [seeds[x]["step_s"] / base[x]["step_s"] for x in seeds if x in base]
+            rewards = ", ".join(f"{seeds[x]['final_reward']:.3f}" for x in seeds)
+            lines.append(f"| {label} | {', '.join(f'{t:.3f}' for t in times)} | {statistics.mean(times):.3f} | "
+                         f"{statistics.mean(ratios):.2f}x | {rewards} |")
+        lines.append("")
+    if summary["staleness"]:
+        lines += ["## Staleness: final reward and clip fraction by cause (means over seeds)", "",
+                  "`clip` is the clip fraction (sequences for GSPO, tokens for GRPO); numerics / staleness / update are "
+                  "its partition by dominant cause (docs/async.md); `ess` the normalized effective sample size of the "
+                  "correction's weights.", "",
+                  "| arm | final reward | clip | numerics | staleness | update | staleness alone | ess |", "|---|---|---|---|---|---|---|---|"]
+        for label, seeds in summary["staleness"].items():
+            def mean(key):
+                values = [seeds[x][key] for x in seeds if key in seeds[x]]
+                return f"{statistics.mean(values):.4f}" if values else "-"
+            lines.append(f"| {label} | {mean('final_reward')} | {mean('clip_budget/clip_frac')} | {mean('clip_budget/numerics')} | "
+                         f"{mean('clip_budget/staleness')} | {mean('clip_budget/update')} | {mean('clip_budget/staleness_alone')} | {mean('off_policy/ess')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
