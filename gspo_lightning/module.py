@@ -115,7 +115,7 @@ class GSPOModule(L.LightningModule):
         router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
         max_staleness: ``k``: generate the rollouts of the next ``k`` steps while this one trains
             (0: synchronous, on-policy; the default). The lag is counted in rollout steps; needs
-            an engine with its own weights (``HFCopyEngine``, vLLM), see docs/async.md.
+            an engine with its own weights (``HFCopyEngine`` in float32, ``RemoteEngine``, vLLM); see docs/async.md.
         stale_rollouts: a rollout more than ``k`` steps old (after a resume with a smaller ``k``):
             ``regenerate`` it with the current weights, or ``reweight`` it (keep it for the
             off-policy correction, which must then be set). Counted as ``async/out_of_window``.
