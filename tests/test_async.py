@@ -100,6 +100,23 @@ def test_checkpoint_round_trip_and_the_window_after_a_smaller_k(policy):
     resumed.close()
 
 
+def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_the_next_step():
+    producer = FakeProducer()
+
+    def generate(batch, step):
+        if step == 2:
+            raise RuntimeError("the grader is down")
+        return producer.generate(batch, step)
+
+    pipeline = RolloutPipeline(generate, batch_at, max_staleness=2)
+    pipeline.next(0, batch_at(0), producer.push(0))  # submits 0, 1, 2
+    state = pipeline.state_dict()  # the checkpoint written as the run stops: no exception here
+    assert [p["step"] for p in state["pending"]] == [1]
+    with pytest.raises(RuntimeError, match="the grader is down"):
+        pipeline.next(1, batch_at(1), producer.push(1))
+    pipeline.close()
+
+
 def test_rollout_serialization_round_trip():
     producer = FakeProducer()
     rollout = producer.generate(batch_at(0), 0)

@@ -115,12 +115,16 @@ class RolloutPipeline:
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The rollouts generated but not trained on (the one in flight is waited for)."""
-        self.drain()
+        """The rollouts generated but not trained on (the one in flight is waited for). One
+        whose generation failed (a reward function raised: the run is stopping with a
+        checkpoint) is left out; a resumed run generates it again with its current weights."""
+        for pending in self.pending.values():
+            pending.future.exception()  # waits, without raising
+        done = [p for p in sorted(self.pending.values(), key=lambda p: p.step) if p.future.exception() is None]
         return {"pending": [
             {"step": p.step, "sampled_at": p.sampled_at, "prompt_ids": p.prompt_ids,
              "rollout": rollout_to_dict(p.future.result())}
-            for p in sorted(self.pending.values(), key=lambda p: p.step)
+            for p in done
         ]}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
