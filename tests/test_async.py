@@ -134,6 +134,10 @@ def test_bad_staleness_settings_are_one_clear_line(tmp_path):
         make_module(max_staleness=-1)
     with pytest.raises(ValueError, match="stale_rollouts=reweight .* set off_policy"):
         make_module(max_staleness=1, stale_rollouts="reweight")
+    from gspo_lightning.offpolicy import OffPolicyCorrection
+
+    with pytest.raises(ValueError, match="off_policy.mode=bypass .* set old_logprobs=engine"):
+        make_module(off_policy=OffPolicyCorrection(mode="bypass"))
     with pytest.raises(ValueError, match="HFEngine samples from the policy's own weights"):
         fit(make_module(max_staleness=1), tmp_path, max_steps=1)
 
