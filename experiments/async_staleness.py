@@ -64,6 +64,11 @@ ENGINES = {
 }
 
 
+# seconds per step in the trainer: generation (on the producer when k >= 1), the wait for the
+# producer, the updates; within one run, so less exposed to the machine's load than s/step across runs
+TIMES = ("time/generate", "time/score", "time/wait_rollout", "time/train", "time/logprobs", "time/weight_sync")
+
+
 def config(folder: Path, *, seed: int, steps: int, k: int, engine: str, method: str = "GSPO",
            correction: str = "none") -> Path:
     model = {
@@ -97,14 +102,16 @@ def config(folder: Path, *, seed: int, steps: int, k: int, engine: str, method: 
     return path
 
 
-def run(cfg: Path) -> dict:
-    """Fit in a fresh process; returns the per-step logged rows and the wall time between steps."""
+def run(cfg: Path, reuse: bool = False) -> dict:
+    """Fit in a fresh process (or, with ``reuse``, read a finished run's logs); returns the
+    per-step logged rows and the wall time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.time()
-    out = subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(cfg)], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(out.stderr[-3000:])
+    if not (reuse and list(cfg.parent.glob("csv/version_*/metrics.csv"))):
+        out = subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(cfg)], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(out.stderr[-3000:])
     rows = []
     for file in sorted(cfg.parent.glob("csv/version_*/metrics.csv")):
         with open(file) as handle:
@@ -122,7 +129,7 @@ def summarize(result: dict, skip: int = 3) -> dict:
         "reward_curve": [round(r["reward/mean"], 4) for r in rows],
         "wall_s": result["wall_s"],
     }
-    for name in BUDGET:
+    for name in BUDGET + TIMES:
         values = [r[name] for r in steady if name in r]
         if values:
             out[name] = statistics.mean(values)
@@ -141,11 +148,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="every arm, 2 steps, 1 seed")
     parser.add_argument("--only", choices=list(SETUP), default=None)
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="a previous run's work folder: read the finished runs' logs instead of running them again")
     args = parser.parse_args(argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"stamp": stamp(argv), "setup": SETUP, "speed": {}, "staleness": {}}
+    previous = args.out / "summary.json"
+    if args.reuse and previous.exists():  # the runs were made then: keep that stamp
+        summary["stamp"] = {**json.loads(previous.read_text())["stamp"], "summarized_by": "python " + " ".join(argv)}
     began = time.time()
-    work = Path(tempfile.mkdtemp(prefix="async-staleness-"))
+    work = args.reuse or Path(tempfile.mkdtemp(prefix="async-staleness-"))
+    print(f"work folder: {work}", flush=True)
     for name in ([args.only] if args.only else list(SETUP)):
         setup = SETUP[name]
         seeds, steps = (setup["seeds"][:1], 4) if args.smoke else (setup["seeds"], setup["steps"])
@@ -155,7 +168,7 @@ def main(argv: list[str]) -> None:
                                                              for k in setup["ks"]]
                 for label, k, engine in arms:
                     result = summarize(run(config(work / f"speed-{label}-{seed}".replace(" ", "_").replace("=", ""), seed=seed,
-                                                  steps=steps, k=k, engine=engine)))
+                                                  steps=steps, k=k, engine=engine), args.reuse is not None))
                     summary["speed"].setdefault(label, {})[seed] = result
                     print(f"speed {label} seed {seed}: {result['step_s']:.3f} s/step, reward {result['final_reward']:.3f}", flush=True)
             else:
@@ -165,13 +178,20 @@ def main(argv: list[str]) -> None:
                             label = f"{method} k={k} {correction}"
                             folder = work / f"st-{method}-{k}-{correction}-{seed}"
                             result = summarize(run(config(folder, seed=seed, steps=steps, k=k, engine="copy",
-                                                          method=method, correction=correction)))
+                                                          method=method, correction=correction), args.reuse is not None))
                             summary["staleness"].setdefault(label, {})[seed] = result
                             print(f"{label} seed {seed}: reward {result['final_reward']:.3f} clip "
                                   f"{result.get('clip_budget/clip_frac', float('nan')):.4f}", flush=True)
-            summary["stamp"]["wall_min"] = round((time.time() - began) / 60, 1)
+            if not args.reuse:
+                summary["stamp"]["wall_min"] = round((time.time() - began) / 60, 1)
             (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (args.out / "README.md").write_text(readme(summary))
+
+
+def avg(seeds: dict, *keys: str) -> str:
+    """Mean over seeds of the sum of ``keys`` (seconds per step)."""
+    values = [sum(seeds[x][k] for k in keys) for x in seeds if all(k in seeds[x] for k in keys)]
+    return f"{statistics.mean(values):.3f}" if values else "-"
 
 
 def readme(summary: dict) -> str:
@@ -186,15 +206,16 @@ def readme(summary: dict) -> str:
     ]
     if summary["speed"]:
         lines += ["## Speed: seconds per rollout step (mean after 3 warm-up steps) and final reward (mean of the last 5 steps)", "",
-                  "| arm | s/step per seed | mean s/step | vs the same engine at k=0 (per-seed ratio, mean) | final reward per seed |",
-                  "|---|---|---|---|---|"]
+                  "| arm | s/step per seed | mean s/step | vs the same engine at k=0 (per-seed ratio, mean) | generate + score s | waited s | train s | final reward per seed |",
+                  "|---|---|---|---|---|---|---|---|"]
         for label, seeds in summary["speed"].items():
             base = summary["speed"].get(label.split(" ")[0] + " k=0", {})
             times = [seeds[x]["step_s"] for x in seeds]
             ratios = [seeds[x]["step_s"] / base[x]["step_s"] for x in seeds if x in base]
             rewards = ", ".join(f"{seeds[x]['final_reward']:.3f}" for x in seeds)
             lines.append(f"| {label} | {', '.join(f'{t:.3f}' for t in times)} | {statistics.mean(times):.3f} | "
-                         f"{statistics.mean(ratios):.2f}x | {rewards} |")
+                         f"{statistics.mean(ratios):.2f}x | {avg(seeds, 'time/generate', 'time/score')} | {avg(seeds, 'time/wait_rollout')} | "
+                         f"{avg(seeds, 'time/train')} | {rewards} |")
         lines.append("")
     if summary["staleness"]:
         lines += ["## Staleness: final reward and clip fraction by cause (means over seeds)", "",

@@ -347,6 +347,7 @@ class PromptDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         # Lightning fetches one batch ahead; this hook runs only for the batch a step uses
         if self.trainer is not None and self.trainer.training:
+            batch["index"] = self.batches_consumed  # its place in the stream (train_batch(index) gives it again)
             self.batches_consumed += 1
         return batch
 
@@ -370,7 +371,9 @@ class PromptDataModule(L.LightningDataModule):
         an asynchronous run generate the next batches ahead without moving the resume position."""
         if self.train_sampler is None:
             self.train_dataloader()
-        return self._collate_train([self.train_rows[i] for i in self.train_sampler.batch(index)])
+        batch = self._collate_train([self.train_rows[i] for i in self.train_sampler.batch(index)])
+        batch["index"] = index
+        return batch
 
     def val_dataloader(self) -> DataLoader:
         if not self.val_rows:

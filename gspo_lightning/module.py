@@ -323,10 +323,10 @@ class GSPOModule(L.LightningModule):
             self.pipeline.load_state_dict(self._pending_rollouts, self.device)
             self._pending_rollouts = None
 
-    def _producer_rollout(self, batch: dict, step: int) -> Rollout:
+    def _producer_rollout(self, batch: dict, index: int) -> Rollout:
         """On the producer thread: a training rollout, and, when the engine is an exact float32
         copy of the policy, the trainer's log-probs at the sampling weights (the clip budget's o_b)."""
-        rollout = self.worker.rollout(batch, seed=self.sampling_seed(step), device=self.device, evaluation=False)
+        rollout = self.worker.rollout(batch, seed=self.sampling_seed(index), device=self.device, evaluation=False)
         engine = self.worker.engine
         if self.clip_budget is not None and getattr(engine, "dtype", None) == "float32" and getattr(engine, "weight_quantization", 1) is None:
             rollout.behaviour_trainer_logprobs = self._logprobs_no_grad(engine.model, rollout)

@@ -82,7 +82,7 @@ def test_checkpoint_round_trip_and_the_window_after_a_smaller_k(policy):
     run(pipeline, producer, 3)
     state = pipeline.state_dict()  # steps 3 and 4 are queued, sampled at steps 1 and 2
     pipeline.close()
-    assert [(p["step"], p["sampled_at"]) for p in state["pending"]] == [(3, 1), (4, 2)]
+    assert [(p["index"], p["sampled_at"]) for p in state["pending"]] == [(3, 1), (4, 2)]
 
     # resumed with k = 1: step 3's rollout (lag 2) is out of the window
     producer.calls.clear()
@@ -111,7 +111,7 @@ def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_the_nex
     pipeline = RolloutPipeline(generate, batch_at, max_staleness=2)
     pipeline.next(0, batch_at(0), producer.push(0))  # submits 0, 1, 2
     state = pipeline.state_dict()  # the checkpoint written as the run stops: no exception here
-    assert [p["step"] for p in state["pending"]] == [1]
+    assert [p["index"] for p in state["pending"]] == [1]
     with pytest.raises(RuntimeError, match="the grader is down"):
         pipeline.next(1, batch_at(1), producer.push(1))
     pipeline.close()
@@ -169,7 +169,7 @@ def test_async_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     resumed = tmp_path / "resumed"
     main(["fit", "--config", str(async_config(resumed, 2, 2))])
     saved = torch.load(resumed / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert [(p["step"], p["sampled_at"]) for p in saved["gspo"]["pending_rollouts"]["pending"]] == [(2, 0), (3, 1)]
+    assert [(p["index"], p["sampled_at"]) for p in saved["gspo"]["pending_rollouts"]["pending"]] == [(2, 0), (3, 1)]
     main(["fit", "--config", str(async_config(resumed, 5, 2)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
 
     a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
@@ -183,3 +183,27 @@ def test_async_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     # the lag in rollout steps: 0, 1, then k = 2; the correction and the clip budget are logged
     assert [float(rows_a[v]["async/lag"]) for v in sorted(rows_a)] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert all("off_policy/ess" in row and "clip_budget/staleness" in row for row in rows_a.values())
+
+
+def test_a_failing_reward_on_the_producer_stops_the_run_with_a_checkpoint_and_it_resumes(tmp_path):
+    from gspo_lightning.rewards import RewardSpec
+    from gspo_lightning.rewards.base import RewardError
+    from gspo_lightning.rollout import HFCopyEngine
+    from tests import test_resume
+    from tests.test_module import fit, make_module
+
+    test_resume.CALLS["n"] = 0
+    reward = [RewardSpec(function="tests.test_resume.reward_that_fails_on_the_third_call")]
+
+    def module():
+        return make_module(rewards=reward, num_mini_batches=2, max_staleness=1, engine=HFCopyEngine(dtype="float32"))
+
+    with pytest.raises(RewardError, match="the grader is down"):
+        fit(module(), tmp_path, max_steps=5, enable_checkpointing=True)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    # batch 2 was generated (and failed) on the producer during step 1; step 2 raised it; the
+    # resumed run goes on with batch 3, as the synchronous loop does after a failed step
+    assert saved["global_step"] == 2 and saved["gspo"]["pending_rollouts"] == {"pending": []}
+    again = module()
+    fit(again, tmp_path / "resumed", max_steps=4, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert again.policy_version == 8

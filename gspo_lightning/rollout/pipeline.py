@@ -41,7 +41,7 @@ StaleRollouts = Literal["regenerate", "reweight"]
 
 @dataclass
 class PendingRollout:
-    step: int  # the rollout step that trains on it (its batch's index in the prompt stream)
+    index: int  # its prompt batch's index in the prompt stream (the step that trains on it, unless a failed step skipped one)
     sampled_at: int  # the rollout step whose weights sampled it
     prompt_ids: list[list[int]]
     future: Future
@@ -50,10 +50,14 @@ class PendingRollout:
 class RolloutPipeline:
     """The producer (one background thread) and the queue of rollouts it made.
 
+    Rollouts are keyed by their prompt batch's index in the stream (``batch["index"]``, set
+    by the data module; the step number when absent), which is the step number except after
+    a failed step, whose batch the resumed run skips as the synchronous loop does.
+
     Args:
-        generate: ``generate(batch, step) -> Rollout``, the worker's rollout of a batch with
-            the seed of ``step``, run on the producer thread with the engine's current weights.
-        batch_at: ``batch_at(step) -> batch``, the prompt batch of a future step.
+        generate: ``generate(batch, index) -> Rollout``, the worker's rollout of a batch with
+            the seed of ``index``, run on the producer thread with the engine's current weights.
+        batch_at: ``batch_at(index) -> batch``, a future prompt batch.
         max_staleness: ``k >= 1``, the largest lag (in rollout steps) a rollout may have.
         stale_rollouts: what to do with a rollout beyond ``k``: ``regenerate`` or ``reweight``.
     """
@@ -74,9 +78,9 @@ class RolloutPipeline:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-producer")
         return self.executor.submit(self.generate, batch, step)
 
-    def _submit(self, step: int, sampled_at: int, batch: dict) -> None:
-        future = self._run(batch, step)
-        self.pending[step] = PendingRollout(step, sampled_at, [list(p) for p in batch["prompt_ids"]], future)
+    def _submit(self, index: int, sampled_at: int, batch: dict) -> None:
+        future = self._run(batch, index)
+        self.pending[index] = PendingRollout(index, sampled_at, [list(p) for p in batch["prompt_ids"]], future)
 
     def drain(self) -> float:
         """Wait for every submitted rollout; returns the seconds waited. Raises what the producer raised."""
@@ -88,25 +92,28 @@ class RolloutPipeline:
     def next(self, step: int, batch: dict, push_weights: Callable[[], dict[str, float]]) -> tuple[Rollout, dict[str, float]]:
         """Step ``step``'s rollout (``batch`` is that step's prompts, as the loader gave them)
         and the pipeline's metrics for the step."""
+        index = int(batch.get("index", step))
         waited = self.drain()
         timings = dict(push_weights())
-        for ahead in range(step, step + self.max_staleness + 1):
+        for skipped in [i for i in self.pending if i < index]:  # batches a failed step consumed
+            del self.pending[skipped]
+        for ahead in range(index, index + self.max_staleness + 1):
             if ahead not in self.pending:
-                self._submit(ahead, step, batch if ahead == step else self.batch_at(ahead))
-        pending = self.pending.pop(step)
+                self._submit(ahead, step, batch if ahead == index else self.batch_at(ahead))
+        pending = self.pending.pop(index)
         start = time.perf_counter()
         rollout = pending.future.result()
         waited += time.perf_counter() - start
         if pending.prompt_ids != [list(p) for p in batch["prompt_ids"]]:
-            raise RuntimeError(f"the rollout queued for step {step} answers other prompts than the loader's batch "
-                               f"{step}: the prompt stream and the pipeline are out of step")
+            raise RuntimeError(f"the rollout queued for prompt batch {index} answers other prompts than the loader's "
+                               f"batch {index}: the prompt stream and the pipeline are out of step")
         lag = step - pending.sampled_at
         stats = {"async/lag": float(lag), "async/out_of_window": 0.0, "async/regenerated": 0.0}
         if lag > self.max_staleness:
             stats["async/out_of_window"] = 1.0
             if self.stale_rollouts == "regenerate":
                 self.drain()  # the engine holds this step's weights; the queued batches go first
-                rollout = self._run(batch, step).result()
+                rollout = self._run(batch, index).result()
                 stats["async/regenerated"] = 1.0
                 stats["async/lag"] = 0.0
         stats["time/wait_rollout"] = waited
@@ -120,9 +127,9 @@ class RolloutPipeline:
         checkpoint) is left out; a resumed run generates it again with its current weights."""
         for pending in self.pending.values():
             pending.future.exception()  # waits, without raising
-        done = [p for p in sorted(self.pending.values(), key=lambda p: p.step) if p.future.exception() is None]
+        done = [p for p in sorted(self.pending.values(), key=lambda p: p.index) if p.future.exception() is None]
         return {"pending": [
-            {"step": p.step, "sampled_at": p.sampled_at, "prompt_ids": p.prompt_ids,
+            {"index": p.index, "sampled_at": p.sampled_at, "prompt_ids": p.prompt_ids,
              "rollout": rollout_to_dict(p.future.result())}
             for p in done
         ]}
@@ -132,7 +139,7 @@ class RolloutPipeline:
         for item in state.get("pending", []):
             future: Future = Future()
             future.set_result(rollout_from_dict(item["rollout"], device))
-            self.pending[item["step"]] = PendingRollout(item["step"], item["sampled_at"], item["prompt_ids"], future)
+            self.pending[item["index"]] = PendingRollout(item["index"], item["sampled_at"], item["prompt_ids"], future)
 
     def close(self) -> None:
         if self.executor is not None:
