@@ -27,8 +27,9 @@ clip fraction. Separately, ``clip_budget/<part>_alone`` counts the units whose p
 is outside the range on the side that clipped: numerics alone clipping means the range is
 narrower than the engine's precision.
 
-When ``o_b`` is unknown (a stale rollout whose producer kept no trainer log-probs),
-numerics and staleness cannot be told apart and are reported together as ``behaviour``.
+``behaviour`` (numerics and staleness together, the part an off-policy weight corrects) is
+always reported too. When ``o_b`` is unknown (a stale rollout whose producer kept no trainer
+log-probs), numerics and staleness cannot be told apart: they are NaN, ``behaviour`` is not.
 """
 
 from __future__ import annotations
@@ -139,12 +140,22 @@ class ClipBudget:
         rows = micro.rows
         old = self.old[rows] if self.old is not None else micro.old_logprobs
         behaviour_old = old if self.same_weights else self.behaviour_old[rows] if self.behaviour_old is not None else None
-        parts = split_log_ratio(micro.logprobs, old, self.behaviour[rows], behaviour_old)
-        names = tuple(parts)
-        in_clip = names if self.old_is_behaviour else ("update",)
-        counts = attribute_clips(parts, in_clip, micro.mask, micro.advantages, level=self.level,
-                                 clip_low=self.clip_low, clip_high=self.clip_high)
-        return clip_budget_metrics(counts, names)
+        def counts(parts: dict[str, Tensor]) -> dict[str, Tensor]:
+            in_clip = tuple(parts) if self.old_is_behaviour else ("update",)
+            return attribute_clips(parts, in_clip, micro.mask, micro.advantages, level=self.level,
+                                   clip_low=self.clip_low, clip_high=self.clip_high)
+
+        # every step logs the same names (a logger repeats a name's last value on steps that
+        # lack it): behaviour = numerics and staleness together, always; the two apart, or NaN
+        merged = counts(split_log_ratio(micro.logprobs, old, self.behaviour[rows], None))
+        out = clip_budget_metrics(merged, ("behaviour", "update"))
+        if behaviour_old is not None:
+            out.update(clip_budget_metrics(counts(split_log_ratio(micro.logprobs, old, self.behaviour[rows], behaviour_old)), PARTS))
+        else:
+            unknown = torch.tensor(float("nan"))
+            for name in ("numerics", "staleness"):
+                out[f"clip_budget/{name}"] = out[f"clip_budget/{name}_alone"] = (unknown, merged["units"])
+        return out
 
 
 __all__ = ["ClipBudget", "PARTS", "attribute_clips", "clip_budget_metrics", "split_log_ratio"]

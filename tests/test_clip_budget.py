@@ -88,6 +88,12 @@ def test_split_and_the_hook_on_a_micro_batch():
     metrics = {k: float(v[0]) for k, v in hook(micro).items()}
     assert metrics["clip_budget/numerics"] == 0.5 and metrics["clip_budget/staleness"] == 0.5
     assert metrics["clip_budget/update"] == 0.0 and metrics["clip_budget/clip_frac"] == 1.0
+    assert metrics["clip_budget/behaviour"] == 1.0  # numerics and staleness together
+    # stale, o_b unknown: numerics and staleness cannot be told apart
+    hook.begin(old=o, behaviour=b, behaviour_old=None, old_is_behaviour=True)
+    metrics = {k: float(v[0]) for k, v in hook(micro).items()}
+    assert math.isnan(metrics["clip_budget/numerics"]) and math.isnan(metrics["clip_budget/staleness_alone"])
+    assert metrics["clip_budget/behaviour"] == 1.0 and metrics["clip_budget/clip_frac"] == 1.0
     # decoupled: the same rollout, the clip on lp - o: nothing clips
     hook.begin(old=o, behaviour=b, behaviour_old=o_b, old_is_behaviour=False)
     assert float(hook(micro)["clip_budget/clip_frac"][0]) == 0.0
