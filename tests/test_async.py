@@ -185,6 +185,7 @@ def test_async_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     assert all("off_policy/ess" in row and "clip_budget/staleness" in row for row in rows_a.values())
 
 
+@pytest.mark.slow
 def test_a_failing_reward_on_the_producer_stops_the_run_with_a_checkpoint_and_it_resumes(tmp_path):
     from gspo_lightning.rewards import RewardSpec
     from gspo_lightning.rewards.base import RewardError
