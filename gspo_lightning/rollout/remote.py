@@ -156,8 +156,9 @@ class RemoteEngine(RolloutEngine):
         self.identity: dict[str, Any] = {}
         self.server_ids: dict[str, str] = {}
         self.pushed: Optional[Manifest] = None  # the last push: re-sent to a restarted server
-        self.checksum: Optional[str] = None  # of the weights of weights_version
+        self.checksums: dict[int, str] = {}  # recent versions pushed -> checksum of their weights
         self._recovering = threading.Lock()
+        self.last_load_seconds = 0.0
 
     # -- start ---------------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> None:
@@ -246,7 +247,8 @@ class RemoteEngine(RolloutEngine):
         manifest, failure = self._share((manifest, failure))
         if failure:
             raise RolloutServerError(failure)
-        self.pushed, self.checksum = {"version": version, "manifest": manifest}, manifest["checksum"]
+        self.pushed = {"version": version, "manifest": manifest}
+        self.checksums = {**{v: c for v, c in self.checksums.items() if v >= version - 8}, version: manifest["checksum"]}
         self.weights_version = version
         return {"bytes": float(manifest["bytes"]), "tensors": float(manifest["tensors"]),
                 "seconds": time.perf_counter() - start}
@@ -258,6 +260,7 @@ class RemoteEngine(RolloutEngine):
                 u, "/weights", {"token": self.token, "version": version, "manifest": manifest}, self.timeout_s))
             self._check_loaded(url, reply, version, manifest["checksum"])
             replies.append(reply)
+        self.last_load_seconds = max(reply["seconds"] for reply in replies)  # the servers' side of the push
         return replies
 
     @staticmethod
@@ -274,26 +277,32 @@ class RemoteEngine(RolloutEngine):
             raise RuntimeError("RemoteEngine.generate before start()")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
-        version, checksum = self.weights_version, self.checksum
+        version = self.weights_version
         chunks = split_evenly(len(prompt_ids), len(self.urls))
         jobs = [(url, prompt_ids[a:b], chunk_seed(seed, k)) for k, (url, (a, b)) in enumerate(zip(self.urls, chunks)) if b > a]
         if len(jobs) == 1:
-            replies = [self._generate_on(*jobs[0], n, params, version, checksum)]
+            replies = [self._generate_on(*jobs[0], n, params, version)]
         else:
             with ThreadPoolExecutor(len(jobs)) as pool:
-                replies = list(pool.map(lambda job: self._generate_on(*job, n, params, version, checksum), jobs))
+                replies = list(pool.map(lambda job: self._generate_on(*job, n, params, version), jobs))
         return replies_to_generation(replies, self.pad_token_id)
 
     def _generate_on(self, url: str, prompts: list[list[int]], seed: int, n: int, params: SamplingParams,
-                     version: int, checksum: Optional[str]) -> dict:
+                     version: int) -> dict:
+        """One server's share, sampled with ``version`` or a newer one (pushed meanwhile, when
+        ``generate`` runs beside training); the reply's version and checksum are checked."""
         body = {"token": self.token, "prompt_ids": prompts, "n": n, "params": asdict(params), "seed": seed,
                 "version": None if version < 0 else version}
         reply = self._with_recovery(url, lambda: request_json(url, "/generate", body, self.timeout_s))
-        if version >= 0 and (reply["version"] != version or reply["checksum"] != checksum):
+        if version < 0:
+            return reply
+        # a version this rank has not heard of yet is newer than its last push: rank 0 just pushed it
+        expected = self.checksums.get(reply["version"], reply["checksum"])
+        if reply["version"] < version or reply["checksum"] != expected:
             raise RolloutServerError(
                 f"rollout refused: the server at {url} generated with version {reply['version']} "
                 f"(checksum {str(reply['checksum'])[:12]}), the trainer pushed version {version} "
-                f"(checksum {str(checksum)[:12]}): another process changed its weights")
+                f"(checksum {str(self.checksums.get(version))[:12]}): another process changed its weights")
         return reply
 
     # -- faults --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ process, when the client engine is given no URL. The API (every body is JSON):
                          manifest of a ``transport.WeightTransport``); replies ``version``,
                          ``checksum`` of the weights now held, ``seconds``, ``tensors``, ``bytes``
 ``POST /generate``       ``{"token", "prompt_ids", "n", "params", "seed", "version"}``: waits
-                         up to ``version_wait_s`` for ``version`` to be loaded (409 if it is not),
+                         up to ``version_wait_s`` for ``version`` or a newer one (409 if none),
                          replies ``completion_ids`` and ``logprobs`` (one list per response,
                          unpadded), ``truncated``, ``version``, ``checksum``
 =======================  =================================================================
@@ -251,10 +251,11 @@ class RolloutServer:
         sampling = SamplingParams(**params)
         deadline = time.monotonic() + self.version_wait_s
         with self.condition:
-            while version is not None and self.version != version and time.monotonic() < deadline:
+            # a newer version is fine (a trainer that pushed while this request was on its way)
+            while version is not None and self.version < version and time.monotonic() < deadline:
                 self.condition.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            if version is not None and self.version != version:
-                raise VersionError(f"the server serves weights version {self.version}, the request asks for {version}")
+            if version is not None and self.version < version:
+                raise VersionError(f"the server serves weights version {self.version}, the request asks for {version} or newer")
             self.engine.wake()
             try:
                 generation = self.engine.generate(prompt_ids, n, sampling, seed)
