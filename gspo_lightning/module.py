@@ -60,7 +60,8 @@ class GSPOModule(L.LightningModule):
         rewards: the reward functions (import path, weight, kwargs, name).
         on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
         engine: the generation engine, by ``class_path`` (default: ``HFEngine``, the policy
-            itself; ``gspo_lightning.rollout.VLLMEngine`` for vLLM, see docs/vllm.md).
+            itself; ``gspo_lightning.rollout.VLLMEngine`` for vLLM, see docs/vllm.md;
+            ``gspo_lightning.rollout.RemoteEngine`` for rollout servers, docs/scaling.md).
         num_return_sequences_in_group: responses per prompt, ``G`` (ROLL's key).
         response_length: most new tokens per response (ROLL's key).
         temperature: sampling temperature; log-probs are taken at the same temperature.
