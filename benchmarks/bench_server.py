@@ -38,8 +38,6 @@ def load() -> str:
 
 
 def pushes(args) -> list[dict]:
-    import torch
-
     from _common import build_bench_model
     from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
     from gspo_lightning.rollout import EngineSpec, RemoteEngine

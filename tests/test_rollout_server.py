@@ -6,7 +6,6 @@ against the client too (tests/test_engine_contract.py, ``remote-*``)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import subprocess
@@ -21,7 +20,6 @@ import torch
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout import EngineSpec, HFEngine, RemoteEngine, SamplingParams
 from gspo_lightning.rollout.remote import chunk_seed, request_json, split_evenly
-from gspo_lightning.rollout.server import ServerSpec, spec_json
 from gspo_lightning.rollout.transport import FolderTransport, WeightsChecksum
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.tasks import build_tiny
@@ -58,13 +56,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_process_server(tmp_path, port: int, model=MODEL) -> subprocess.Popen:
-    """``python -m gspo_lightning.rollout.server`` on ``port``, ready when this returns."""
-    spec = tmp_path / f"spec-{port}.json"
-    spec.write_text(spec_json(ServerSpec(model, prompt_length=8, response_length=6, engine=HF)))
+def start_process_server(tmp_path, port: int) -> subprocess.Popen:
+    """``gspo serve --config configs/quickstart_server.yaml --port port``, ready when this returns."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "gspo_lightning.rollout.server", "--spec", str(spec),
-                                "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "gspo_lightning.cli", "serve", "--config",
+                                str(ROOT / "configs/quickstart_server.yaml"), "--port", str(port)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -283,38 +280,52 @@ def test_a_second_trainer_is_refused_until_the_first_lets_go(server):
     second.close()
 
 
-def test_a_restarted_server_gets_the_weights_again_and_samples_the_same(tmp_path):
+def serve_on(port: int):
+    """A fresh rollout server (new ``server_id``, no weights) on ``port``, in this process."""
+    from gspo_lightning.rollout.server import RolloutServer, ServerSpec
+
+    app = RolloutServer(ServerSpec(MODEL, prompt_length=8, response_length=6, engine=HF))
+    app.start()
+    httpd = app.http_server("127.0.0.1", port)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return app, httpd
+
+
+def shut(httpd) -> None:
+    httpd.shutdown()
+    httpd.server_close()  # the port refuses connections, as when the process is gone
+
+
+def test_a_restarted_server_gets_the_weights_again_and_samples_the_same():
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = start_process_server(tmp_path, port)
+    app, httpd = serve_on(port)
+    policy, tok, spec = policy_and_spec(seed=4)
+    client = RemoteEngine(urls=[f"http://127.0.0.1:{port}"], reconnect_s=60)
+    client.start(spec)
+    client.update_weights(iter_policy_weights(policy), 7)
+    before = client.generate(prompts(tok), 4, SamplingParams(6), 3)
+    shut(httpd)
+    restarted = {}
+    timer = threading.Timer(1.5, lambda: restarted.update(zip(("app", "httpd"), serve_on(port))))
+    timer.start()
     try:
-        policy, tok, spec = policy_and_spec(seed=4)
-        client = RemoteEngine(urls=[url], reconnect_s=120)
-        client.start(spec)
-        client.update_weights(iter_policy_weights(policy), 7)
-        before = client.generate(prompts(tok), 4, SamplingParams(6), 3)
-        stop(process)
-        restarted = {}
-        threading.Timer(1.0, lambda: restarted.setdefault("p", start_process_server(tmp_path, port))).start()
         after = client.generate(prompts(tok), 4, SamplingParams(6), 3)  # waits, re-pushes version 7, generates
-        process = restarted["p"]
+        assert restarted["app"].server_id != app.server_id and restarted["app"].version == 7
         assert torch.equal(before.completion_ids, after.completion_ids) and after.weights_version == 7
-        assert request_json(url, "/info")["version"] == 7
         client.close()
     finally:
-        stop(process)
+        timer.join()
+        shut(restarted["httpd"])
 
 
-def test_a_server_that_stays_away_stops_the_rollout_after_reconnect_s(tmp_path):
+def test_a_server_that_stays_away_stops_the_rollout_after_reconnect_s():
     port = free_port()
-    process = start_process_server(tmp_path, port)
-    try:
-        policy, tok, spec = policy_and_spec()
-        client = RemoteEngine(urls=[f"http://127.0.0.1:{port}"], reconnect_s=1.0)
-        client.start(spec)
-        client.update_weights(iter_policy_weights(policy), 0)
-    finally:
-        stop(process)
+    _, httpd = serve_on(port)
+    policy, tok, spec = policy_and_spec()
+    client = RemoteEngine(urls=[f"http://127.0.0.1:{port}"], reconnect_s=1.0)
+    client.start(spec)
+    client.update_weights(iter_policy_weights(policy), 0)
+    shut(httpd)
     start = time.monotonic()
     with pytest.raises(RolloutServerError, match="did not recover within 1 s"):
         client.generate(prompts(tok), 2, SamplingParams(6), 0)
@@ -354,22 +365,22 @@ def test_fit_writes_a_checkpoint_when_the_server_dies_and_resume_continues(tmp_p
 
 
 # -- a 2-rank trainer feeding one server -----------------------------------------------------------------
-def launch(out_dir: Path, strategy: str, engine: str) -> dict:
+def launch(out_dir: Path, strategy: str) -> tuple[dict, dict]:
+    """The colocated run and the server run, one after the other in one torchrun launch."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests/distributed/server_worker.py"), "--strategy", strategy, "--engine", engine, "--out_dir", str(out_dir)]
+           str(ROOT / "tests/distributed/server_worker.py"), "--strategy", strategy, "--out_dir", str(out_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return torch.load(out_dir / f"{engine}.pt")
+    return torch.load(out_dir / "colocated.pt"), torch.load(out_dir / "server.pt")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_feeding_one_server_equal_the_colocated_run(tmp_path, strategy):
-    colocated = launch(tmp_path / "colocated", strategy, "colocated")
-    served = launch(tmp_path / "served", strategy, "server")
+    colocated, served = launch(tmp_path, strategy)
     assert served["world"] == 2
     # the server holds exactly the trainer's full weights after a push (checksum of what it holds)
     assert served["server_checksum"] == served["trainer_checksum"] and served["server_version"] >= 3

@@ -104,7 +104,7 @@ class RemoteEngine(RolloutEngine):
         transport: how weights reach the servers (default :class:`FolderTransport` in
             ``/dev/shm``: same machine; across nodes give it a shared ``path``).
         timeout_s: longest wait for one generation or weight load.
-        reconnect_s: how long a lost server is waited for (backoff 0.5 s doubling to 8 s)
+        reconnect_s: how long a lost server is waited for (backoff 0.5 s doubling to 4 s)
             before the run stops with a checkpoint.
         start_timeout_s: how long a started server may take to load (vLLM: ~30 s).
         server_threads: CPU threads of a started server (its ``OMP_NUM_THREADS``, pinned to
@@ -322,7 +322,7 @@ class RemoteEngine(RolloutEngine):
                 raise RolloutServerError(f"the rollout server at {url} is {problem}, and did not recover within "
                                          f"{self.reconnect_s:.0f} s (model.engine.init_args.reconnect_s)")
             time.sleep(delay)
-            delay = min(2 * delay, 8.0)
+            delay = min(2 * delay, 4.0)
             try:
                 self._recover(url)
             except _Unreachable:
