@@ -334,6 +334,34 @@ def test_a_server_that_stays_away_stops_the_rollout_after_reconnect_s():
 
 
 @pytest.mark.slow
+def test_a_started_server_ends_with_a_trainer_killed_without_cleanup(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import os, signal\n"
+        "from gspo_lightning.rollout.remote import ChildServer\n"
+        "from gspo_lightning.rollout.server import ServerSpec\n"
+        f"child = ChildServer(ServerSpec({MODEL!r}, prompt_length=8, response_length=6))\n"
+        "url = child.start(120)\n"
+        "print('STARTED', child.process.pid, url, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no close()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    _, pid, url = next(line for line in result.stdout.splitlines() if line.startswith("STARTED")).split()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status")
+        gone = not status.exists() or "\nState:\tZ" in status.read_text()
+        if gone:
+            break
+        time.sleep(0.5)
+    else:
+        os.kill(int(pid), 9)
+        raise AssertionError("the server outlived the trainer that started it")
+    with pytest.raises(Exception):
+        request_json(url, "/health", timeout=2)
+
+
+@pytest.mark.slow
 def test_fit_writes_a_checkpoint_when_the_server_dies_and_resume_continues(tmp_path):
     """``gspo fit`` against a server that a reward function kills at the 3rd step."""
     port = free_port()
