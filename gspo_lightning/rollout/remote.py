@@ -46,7 +46,7 @@ import torch
 
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
-from gspo_lightning.rollout.server import ServerSpec, model_fingerprint
+from gspo_lightning.rollout.server import DEFAULT_ENGINE, ServerSpec, model_fingerprint
 from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
 from gspo_lightning.rollout.weight_sync import engine_name
 
@@ -179,7 +179,7 @@ class RemoteEngine(RolloutEngine):
                     self.child = ChildServer(self._server_spec(spec), threads=self.server_threads,
                                              python=self.server_python, lease_s=self.lease_s)
                     urls = [self.child.start(self.start_timeout_s)]
-            except (RolloutServerError, ValueError) as error:
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
                 failure = str(error)
         # one token for the trainer's ranks; the started server's URL for all of them
         urls, token, failure = self._share((urls, uuid.uuid4().hex, failure))
@@ -198,7 +198,7 @@ class RemoteEngine(RolloutEngine):
         return ServerSpec(
             model_name_or_path=spec.model_name_or_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code,
             prompt_length=spec.prompt_length, response_length=spec.response_length, seed=spec.seed,
-            engine=self.server_engine or ServerSpec.__dataclass_fields__["engine"].default_factory(),
+            engine=self.server_engine or dict(DEFAULT_ENGINE),
         )
 
     def _share(self, value):
@@ -239,14 +239,14 @@ class RemoteEngine(RolloutEngine):
             try:
                 manifest, _ = self.transport.push(weights, version, lambda m: self._post_weights(m, version))
                 self.transport.sent(manifest)
-            except RolloutServerError as error:
-                failure = str(error)
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
+                failure = error if isinstance(error, RolloutServerError) else f"{type(error).__name__}: {error}"
         else:
             for _ in weights:  # sharded gathers are collectives: every rank walks the whole iterator
                 pass
-        manifest, failure = self._share((manifest, failure))
+        manifest, failure = self._share((manifest, str(failure) if failure else None))
         if failure:
-            raise RolloutServerError(failure)
+            raise RolloutServerError(f"weights push failed: {failure}")
         self.pushed = {"version": version, "manifest": manifest}
         self.checksums = {**{v: c for v, c in self.checksums.items() if v >= version - 8}, version: manifest["checksum"]}
         self.weights_version = version
