@@ -131,6 +131,21 @@ def test_folder_transport_streams_buckets_in_order_and_removes_the_old_version(t
     assert not (tmp_path / "v4").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")
+def test_the_nccl_transport_says_what_it_needs_without_cuda(server):
+    from gspo_lightning.rollout.transport import NCCLTransport
+
+    with pytest.raises(RuntimeError, match="NCCLTransport needs CUDA GPUs and NCCL.*use .*FolderTransport"):
+        NCCLTransport().send(iter([("w", torch.zeros(2))]), 0)
+    app, url = server
+    _, _, spec = policy_and_spec()
+    client = RemoteEngine(urls=[url])
+    client.start(spec)
+    with pytest.raises(RolloutServerError, match="NCCLTransport needs CUDA"):  # the server side says it too
+        request_json(url, "/weights", {"token": client.token, "version": 0, "manifest": {"kind": "nccl", "names": []}})
+    client.close()
+
+
 def test_prompts_are_split_in_whole_prompts_and_the_first_share_keeps_the_seed():
     assert split_evenly(5, 2) == [(0, 3), (3, 5)] and split_evenly(1, 3) == [(0, 1), (1, 1), (1, 1)]
     assert chunk_seed(42, 0) == 42 and len({chunk_seed(42, k) for k in range(4)}) == 4
