@@ -78,16 +78,19 @@ class VersionError(RuntimeError):
     """The server does not serve the version a request asked for."""
 
 
-# config entries that differ between a trainer's and a server's copy of one model
-_CONFIG_NOISE = {"name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "output_hidden_states"}
+# config entries that decide what a model computes, named alike across transformers versions
+# (a trainer and a server may run different ones: the vLLM environment pins its own)
+IDENTITY_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "tie_word_embeddings",
+                 "num_experts", "num_local_experts", "num_experts_per_tok")
 
 
 def fingerprint(named_shapes, config: Optional[dict] = None) -> str:
-    """The model's identity: its parameter names and shapes, and its config (heads, rotary
-    settings...: two models can share every shape and still compute differently)."""
+    """The model's identity: its parameter names and shapes, and the config entries that
+    shapes do not show (two models can share every shape and split heads differently)."""
     text = "\n".join(f"{name}:{tuple(shape)}" for name, shape in sorted(named_shapes))
     if config:
-        kept = {k: v for k, v in config.items() if k not in _CONFIG_NOISE and not k.startswith("_")}
+        kept = {k: config[k] for k in IDENTITY_KEYS if config.get(k) is not None}
         text += "\n" + json.dumps(kept, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
