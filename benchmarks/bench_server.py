@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def pushes(args) -> list[dict]:
             client.close()
         finally:
             child.stop()
+            shutil.rmtree(folder, ignore_errors=True)
         params = sum(p.numel() for p in policy.parameters())
         row = {"size": size, "engine": args.engine, "params_m": round(params / 1e6, 2),
                "megabytes": round(params * 4 / 2**20, 1), "push_s_median": round(statistics.median(totals), 4),
@@ -104,6 +106,7 @@ def steps(args) -> dict:
     for _ in range(args.rounds):
         colocated.append(fit_step_times("configs/quickstart.yaml", args.steps, workdir))
         served.append(fit_step_times("configs/quickstart_server.yaml", args.steps, workdir))
+    shutil.rmtree(workdir, ignore_errors=True)
     row = {"colocated_step_s": [round(t, 4) for t in colocated], "server_step_s": [round(t, 4) for t in served],
            "ratio_server_over_colocated": round(statistics.median(served) / statistics.median(colocated), 3),
            "steps": args.steps, "load": load(), "cores": os.cpu_count()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -276,8 +277,9 @@ def test_a_rollout_from_weights_changed_behind_the_trainer_is_refused(server):
     client.generate(prompts(tok), 2, SamplingParams(6), 0)
     # another process loads other weights under the same version number
     other, _, _ = policy_and_spec(seed=2)
-    manifest = FolderTransport().send(iter_policy_weights(other), 2)
-    app.load(client.token, 2, manifest)
+    transport = FolderTransport()
+    app.load(client.token, 2, transport.send(iter_policy_weights(other), 2))
+    transport.close()
     with pytest.raises(RolloutServerError, match="rollout refused"):
         client.generate(prompts(tok), 2, SamplingParams(6), 0)
     client.close()
@@ -357,11 +359,12 @@ def test_a_started_server_ends_with_a_trainer_killed_without_cleanup(tmp_path):
         "from gspo_lightning.rollout.server import ServerSpec\n"
         f"child = ChildServer(ServerSpec({MODEL!r}, prompt_length=8, response_length=6))\n"
         "url = child.start(120)\n"
-        "print('STARTED', child.process.pid, url, flush=True)\n"
+        "print('STARTED', child.process.pid, url, child.folder.name, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no close()\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
-    _, pid, url = next(line for line in result.stdout.splitlines() if line.startswith("STARTED")).split()
+    _, pid, url, folder = next(line for line in result.stdout.splitlines() if line.startswith("STARTED")).split()
+    shutil.rmtree(folder)  # what the killed trainer could not remove
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         status = Path(f"/proc/{pid}/status")
