@@ -29,11 +29,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
-from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm
+from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.evaluation import record_eval_rollout
 from gspo_lightning.loggers import logger_identity
 from gspo_lightning.logprobs import response_logprobs
+from gspo_lightning.loss_scaling import LossScaling
 from gspo_lightning.metrics import StepMetrics, record_rollout
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.options import (
@@ -427,12 +428,14 @@ class GSPOModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sync = self.grad_sync
+        scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
+        uncounted_step = lambda: self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)  # noqa: E731
 
         def step(count: bool) -> None:
             if count:  # through Lightning's wrapper: advances trainer.global_step once per rollout
                 optimizer.step()
             else:
-                self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+                uncounted_step()
             if scheduler is not None:
                 scheduler.step()
 
@@ -440,9 +443,10 @@ class GSPOModule(L.LightningModule):
             backward=lambda loss: self.manual_backward(loss * sync.loss_scale),
             zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
             reduce_gradients=lambda finite: sync.reduce(self.policy.parameters(), finite, self.device),
-            clip_gradients=lambda: clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
+            clip_gradients=lambda: scaling.clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
             step=step,
             all_reduce_sum=all_reduce_sum,
+            skip_overflow=lambda: scaling.skip_overflow(uncounted_step),
         )
 
     def _log_step(self, batch, rollout: Rollout, advantages: Tensor, time_logprobs: float, time_train: float, elapsed: float) -> None:
