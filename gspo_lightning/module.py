@@ -408,10 +408,8 @@ class GSPOModule(L.LightningModule):
             add_token_level_kl=hp.add_token_level_kl,
             old_logprobs=old if old is not None else rollout.engine_logprobs, ref_logprobs=ref,
             kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
-            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum,
+            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum, scored=rollout.scored,
         )
-        if rollout.scored is not None:  # a response no reward function scored teaches nothing
-            advantages = advantages.masked_fill(~rollout.scored[:, None], 0.0)
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
