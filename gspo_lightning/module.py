@@ -427,7 +427,9 @@ class GSPOModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         sync = self.grad_sync
         scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
-        uncounted_step = lambda: self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)  # noqa: E731
+
+        def uncounted_step() -> None:  # an optimizer step that leaves trainer.global_step alone
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
 
         def step(count: bool) -> None:
             if count:  # through Lightning's wrapper: advances trainer.global_step once per rollout
