@@ -60,8 +60,8 @@ def overflow_once(module_cls):
 
         def _logprobs(self, model, rollout, rows):
             logprobs, entropy = super()._logprobs(model, rollout, rows)
-            if torch.is_grad_enabled() and Overflowing.overflows_left > 0:
-                Overflowing.overflows_left -= 1
+            if torch.is_grad_enabled() and type(self).overflows_left > 0:
+                type(self).overflows_left -= 1
                 logprobs.register_hook(lambda grad: grad * float("inf"))
             return logprobs, entropy
 
@@ -79,3 +79,22 @@ def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tmp_path):
     assert trainer.precision_plugin.scaler.get_scale() == INITIAL_SCALE / 2
     assert module.updater.skipped_updates == 1 and module.updater.consecutive_nonfinite == 0
     assert module.policy_version == 1 and trainer.global_step == 1  # the second mini-batch stepped
+
+
+def test_overflows_below_a_scale_of_one_are_failures(tmp_path):
+    """Below scale 1 the gradients overflow unscaled: the non-finite limit applies again."""
+    from gspo_lightning.module import GSPOModule, NonFiniteError
+
+    class AlwaysOverflowing(overflow_once(GSPOModule)):
+        def _logprobs(self, model, rollout, rows):
+            type(self).overflows_left = 1
+            return super()._logprobs(model, rollout, rows)
+
+    module = make_module(AlwaysOverflowing, engine=FullPrecisionEngine(), num_mini_batches=2, max_consecutive_nonfinite=2,
+                         rewards=[RewardSpec(function="tests.test_module.reward_by_text")])
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
+    with pytest.raises(NonFiniteError, match="2 updates in a row"):
+        fit(module, tmp_path, max_steps=5, plugins=[plugin])
+    # 4 -> 2 -> 1: handled by the scaler; 0.5, 0.25: failures, the second stops the run
+    assert plugin.scaler.get_scale() == 0.25 and module.updater.skipped_updates == 4
+    assert module.policy_version == 0
