@@ -39,6 +39,7 @@ class LiveTensorBytes(TorchDispatchMode):
         super().__init__()
         self.sizes = WeakIdKeyDictionary()
         self.live = 0
+        self.peak = 0
         self.phase = None
         self.peaks: dict = {}
         self.entry: dict = {}  # live bytes when a phase first starts in a step
@@ -46,8 +47,13 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _add(self, delta: int) -> None:
         self.live += delta
+        self.peak = max(self.peak, self.live)
         if self.phase is not None and self.live > self.peaks.get(self.phase, 0):
             self.peaks[self.phase] = self.live
+            if os.environ.get("MM_DEBUG") == f"{self.phase[0]}:{self.phase[1]}":
+                import traceback
+                self.snapshot = (sorted(((v, str(k.dtype) if hasattr(k, 'dtype') else '') for k, v in self.sizes.items()),
+                                        reverse=True)[:40], traceback.format_stack(limit=12))
 
     def _free(self, storage_id: int) -> None:
         self._add(-self._finalizers.pop(storage_id)[1])
@@ -119,7 +125,6 @@ def phased(tracker: LiveTensorBytes, step: list, name: str, fn):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
-    parser.add_argument("--shape", required=True)
     parser.add_argument("--model_dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=3)
@@ -180,7 +185,7 @@ def main() -> None:
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[StepCounter()],
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[StepCounter()], use_distributed_sampler=False,
             precision="bf16-true" if run["precision"] == "bf16" else "32-true",
             default_root_dir=str(Path(args.out).parent),
         )
@@ -194,6 +199,8 @@ def main() -> None:
     if torch.distributed.is_initialized():  # the largest rank
         torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     phases = dict(zip(("generate", "logprobs", "update", "optimizer step"), (int(v) for v in peaks.tolist())))
+    if os.environ.get("MM_DEBUG") and trainer.global_rank == 0:
+        print("SNAPSHOT", json.dumps(getattr(tracker, "snapshot", None)))
     if trainer.global_rank == 0:
         peak_phase = max(phases, key=phases.get)
         Path(args.out).write_text(json.dumps({"phases": phases, "peak": phases[peak_phase], "peak_phase": peak_phase,

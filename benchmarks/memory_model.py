@@ -189,22 +189,25 @@ class Run:
 
 
 # -- activations ----------------------------------------------------------------------------
-def layer_saved_bytes(shape: Shape, b: int, queries: int, kv_tokens: int) -> int:
+def layer_saved_bytes(shape: Shape, b: int, queries: int, kv_tokens: int, mask_elements: int) -> int:
     """Bytes autograd saves in one Qwen3 decoder layer (transformers 5, sdpa) for ``queries``
-    query tokens attending over ``kv_tokens`` key tokens (summed over rows), ``b`` the dtype size.
+    query tokens attending over ``kv_tokens`` key tokens (summed over rows), ``b`` the dtype
+    size, ``mask_elements`` the query x key positions of the padding mask (summed over rows).
 
     Counted tensor by tensor (checked with ``saved_tensors_hooks`` on a small layer):
     each hidden-size RMSNorm saves its float32 input, the normalized input in the dtype and
     (through the next linear) its output: ``(4 + 2b)`` per element; q_norm / k_norm save
     ``(4 + b)`` (rotary ``q * cos`` saves only cos); sdpa with a padding mask repeats k and v
     to every query head (``repeat_kv``) and saves q, k, v, its output and the float32
-    log-sum-exp; o_proj saves its contiguous input; the SwiGLU MLP saves gate, act, up and
-    their product; plus float32 rsqrt rows of each norm."""
+    log-sum-exp (its output is laid out so that o_proj's input is the same storage); sdpa
+    turns the shared boolean padding mask into an additive mask in the dtype and saves it, in
+    every layer; the SwiGLU MLP saves gate, act, up and their product; plus float32 rsqrt
+    rows of each norm."""
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
     repeated = q if shape.heads > shape.kv_heads else kv
     t = queries
     norms = 2 * (4 + 2 * b) * t * h + (4 + b) * t * (q + kv if shape.qk_norm else 0)
-    attention = b * t * q * 3 + 2 * b * kv_tokens * repeated + 4 * t * shape.heads  # q, out, o_proj input; k, v; lse
+    attention = b * t * q * 2 + 2 * b * kv_tokens * repeated + 4 * t * shape.heads + b * mask_elements  # q, out; k, v; lse
     mlp = 4 * b * t * i
     small = 4 * t * (2 + (shape.heads + shape.kv_heads if shape.qk_norm else 0))
     return norms + attention + mlp + small
@@ -261,6 +264,10 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     else:
         out.states = {"weights": b * own, "optimizer": 2 * b * own}  # AdamW exp_avg, exp_avg_sq in the param dtype
         grads = b * own
+    if run.strategy == "ddp" and n > 1:
+        # torch's DDP Reducer allocates flat gradient buckets for every parameter when it is built
+        # (Lightning's default gradient_as_bucket_view=False), even though the reducer's own sync is off
+        out.states["DDP reducer buckets"] = grads
     if run.reference:  # not trained: weights only
         out.states["reference"] = b * (own if sharded and run.reference_sharded() else total)
     rows = run.local_rows()
@@ -283,7 +290,8 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
         prefill_cache = 2 * shape.layers * prompts * run.prompt_length * kv * b
         cache = 2 * shape.layers * g * (S - 1) * kv * b
         phase = {"grads (previous step)": grads, "prefill cache": prefill_cache, "KV cache": cache}
-        if sharded:  # DynamicCache grows by torch.cat: one layer's old and new keys and values at once
+        if sharded:  # DynamicCache, repeated to every row in place, grows by torch.cat: one layer's old and new at once
+            del phase["prefill cache"]
             phase["KV cache growth (cat)"] = 2 * g * (S - 1) * kv * b
             phase["gathered weights"] = gathered
         else:
@@ -301,16 +309,17 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     N = m * T  # response positions through the head
     ckpt = run.gradient_checkpointing
 
-    def entropy_temporaries(rows: int) -> int:  # _HeadLogprobs: exp and p * log p, 2**22 elements at most
-        return 2 * 4 * min(rows, max(1, 2**22 // shape.vocab)) * shape.vocab
+    def logits_and_entropy(rows: int) -> int:
+        """_HeadLogprobs.forward: float32 logits (the dtype's product is freed by .float() before the
+        entropy), then exp and p * log p over at most 2**22 elements at a time."""
+        entropy = 2 * 4 * min(rows, max(1, 2**22 // shape.vocab)) * shape.vocab
+        return rows * shape.vocab * 4 + max(rows * shape.vocab * b if b == 2 else 0, entropy)
 
     def head_nograd() -> int:
         if run.full_logits():
             return N * shape.vocab * (b + (4 if b == 2 else 0) + 12)
-        if N * shape.vocab * 4 <= MAX_UNCHUNKED_BYTES:
-            return N * shape.vocab * (4 + (b if b == 2 else 0)) + entropy_temporaries(N)
-        c = run.logprob_chunk_size
-        return c * shape.vocab * (4 + (b if b == 2 else 0)) + entropy_temporaries(c)
+        rows = N if N * shape.vocab * 4 <= MAX_UNCHUNKED_BYTES else run.logprob_chunk_size
+        return logits_and_entropy(rows)
 
     # -- logprobs (no grad): old policy and reference, one micro-batch at a time, rows in order
     if run.old_pass or run.reference:
@@ -332,20 +341,20 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     if in_order:
         distinct = math.ceil(m / run.group_size) if m >= run.group_size else 1
     shares = distinct < m and not ckpt
-    shared = m * S * S * b + 2 * m * S * shape.head_dim * b  # 4-D additive mask, rotary cos/sin
+    shared = m * S * S + 2 * m * S * shape.head_dim * b  # the boolean 4-D mask, rotary cos/sin
     if shares:
         tp, tr = distinct * run.prompt_length, m * (T - 1)
-        per_layer = layer_saved_bytes(shape, b, tp, tp) + layer_saved_bytes(shape, b, tr, m * (S - 1))
+        per_layer = (layer_saved_bytes(shape, b, tp, tp, distinct * run.prompt_length ** 2)
+                     + layer_saved_bytes(shape, b, tr, m * (S - 1), tr * (S - 1)))
         tokens = tp + tr
         cache = 2 * shape.layers * m * (S - 1) * shape.kv_dim * b
     else:
         tokens = m * S
-        per_layer = layer_saved_bytes(shape, b, tokens, tokens)
+        per_layer = layer_saved_bytes(shape, b, tokens, tokens, m * S * S)
         cache = 0
-    if ckpt:
-        saved = shape.layers * b * tokens * shape.hidden + per_layer  # layer inputs + one recomputed layer
-    else:
-        saved = shape.layers * per_layer
+    # with checkpointing each layer keeps its input, and backward recomputes one layer at a time
+    saved = shape.layers * (b * tokens * shape.hidden if ckpt else per_layer)
+    recomputed = per_layer if ckpt else 0
     final_norm = (4 + b) * tokens * shape.hidden
     hidden = b * tokens * shape.hidden + b * N * shape.hidden  # last hidden state and the response rows' copy
     V = shape.vocab
@@ -354,15 +363,16 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
         head_fwd = N * V * (b + (4 if b == 2 else 0) + 12)  # logits, float32 copy, log-softmax, exp, p*logp
         head_bwd = N * V * 12 + head_grad  # saved log-softmax, gather's gradient, log-softmax's gradient
     elif N * V * 4 <= MAX_UNCHUNKED_BYTES:
-        head_fwd = N * V * (4 + (b if b == 2 else 0)) + entropy_temporaries(N)
+        head_fwd = logits_and_entropy(N)
         head_bwd = N * V * (4 + (b if b == 2 else 0)) + head_grad
     else:  # logprob_chunk_size rows at a time under checkpoint: recomputed in backward
         c = run.logprob_chunk_size
-        head_fwd = c * V * (4 + (b if b == 2 else 0)) + entropy_temporaries(c)
+        head_fwd = logits_and_entropy(c)
         head_bwd = c * V * (4 + 2 * (b if b == 2 else 0)) + head_grad
     bwd = backward_working_bytes(shape, b, tokens)
+    saved += shared
     activations = max(saved + final_norm + cache, saved + final_norm + hidden + head_fwd,
-                      saved + final_norm + hidden + head_bwd, saved + bwd)
+                      saved + final_norm + hidden + head_bwd, saved + recomputed + bwd)
     phase = {"activations (micro-batch %d x %d)" % (m, S): activations}
     micros_per_mini = math.ceil(run.mini_batch_size // n / m)
     if micros_per_mini > 1:
@@ -372,17 +382,20 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     out.phases["update"] = phase
     if micros_per_mini == 1:  # the grads fill in as the activations drain: whichever is larger
         phase["grads (accumulating)"] = max(0, grads - activations)
+    if run.strategy == "ddp" and n > 1:
+        # after the last backward: the grads summed over ranks in flat buckets (distributed.GradientSync)
+        largest = max(V * shape.hidden, shape.hidden * shape.intermediate)
+        bucket = min(grads, DDP_BUCKET_BYTES + b * largest)
+        if grads + bucket > sum(phase.values()):
+            out.phases["update"] = {"grads": grads, "gradient bucket (after backward)": bucket}
 
     # -- optimizer step: grads, AdamW's foreach temporary (sqrt of exp_avg_sq), DDP's gradient bucket
     # AdamW's foreach path (the default on GPUs) takes the sqrt of every exp_avg_sq at once; the
     # per-parameter path (CPU) one parameter at a time
     largest = max(V * shape.hidden, shape.hidden * shape.intermediate)
+    largest = math.ceil(largest / n) if sharded else largest
     temporary = own if run.foreach_optimizer else min(own, 2 * largest)  # sqrt, then its quotient
-    opt = {"grads": grads, "optimizer temporary": (4 if run.strategy == "zero3" else b) * temporary}
-    if run.strategy == "ddp" and n > 1:
-        largest = max(V * shape.hidden, shape.hidden * shape.intermediate)
-        opt["gradient bucket"] = min(grads, DDP_BUCKET_BYTES + b * largest)
-    out.phases["optimizer step"] = opt
+    out.phases["optimizer step"] = {"grads": grads, "optimizer temporary": (4 if run.strategy == "zero3" else b) * temporary}
     return out
 
 
@@ -474,10 +487,11 @@ def tables(run: Run) -> str:
            f"HF engine, {'with' if run.reference else 'without'} the frozen reference (KL), old-policy pass "
            f"{'on' if run.old_pass else 'off'}; FSDP2 with the chunked head and the sharded reference (after the fixes).",
            "", grid_table(run), "",
-           f"Qwen3-8B, FSDP2, 8 ranks, {run.precision}, the same batch: the fixes of issue 29 one at a time "
+           f"Qwen3-8B, FSDP2, 8 ranks, {run.precision}, gradient checkpointing on (as in configs/gsm8k_qwen3.yaml), "
+           f"the same batch: the fixes of issue 29 one at a time "
            f"(peak GiB and its phase; the last column: micro_batch_size and generation_batch_size null as well, "
            f"one value per length).", "",
-           fixes_table(QWEN3["qwen3-8b"], replace(run, ranks=8, strategy="fsdp2"))]
+           fixes_table(QWEN3["qwen3-8b"], replace(run, ranks=8, strategy="fsdp2", gradient_checkpointing=True))]
     return "\n".join(out)
 
 
@@ -520,7 +534,7 @@ def build_check_model(folder: Path, shape: Shape = CHECK_SHAPE, seed: int = 1234
     return folder
 
 
-def run_check(names, workdir: Path) -> list[dict]:
+def run_check(names, workdir: Path, reuse: bool = False) -> list[dict]:
     child = Path(__file__).with_name("_memory_child.py")
     model_dir = build_check_model(workdir / "model")
     results = []
@@ -530,11 +544,11 @@ def run_check(names, workdir: Path) -> list[dict]:
         out = workdir / (name.replace(" ", "_").replace(",", "").replace(":", "").replace("(", "").replace(")", "") + ".json")
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
         cmd = [sys.executable, *launcher, str(child),
-               "--config", json.dumps(asdict(run)), "--shape", json.dumps(asdict(CHECK_SHAPE)), "--out", str(out),
+               "--config", json.dumps(asdict(run)), "--out", str(out),
                "--model_dir", str(model_dir)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
-        if proc.returncode != 0:
+        proc = None if reuse and out.is_file() else subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+        if proc is not None and proc.returncode != 0:
             raise RuntimeError(f"{name}: the measuring run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         measured = json.loads(out.read_text())
         pred = predict(CHECK_SHAPE, run, meta_param_shapes(CHECK_SHAPE))
@@ -587,6 +601,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CHECK_CASES), help="with --check")
     parser.add_argument("--workdir", default="/tmp/memory_model_check")
     parser.add_argument("--json", help="write the results (with --check) here")
+    parser.add_argument("--reuse", action="store_true", help="with --check: reuse measurements found in --workdir")
     args = parser.parse_args(argv)
     run = Run(
         ranks=args.ranks, strategy=args.strategy, precision=args.precision, gradient_checkpointing=args.gradient_checkpointing,
@@ -600,7 +615,7 @@ def main(argv=None) -> int:
     if args.check:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = run_check(args.cases, workdir)
+        results = run_check(args.cases, workdir, reuse=args.reuse)
         print(f"\nCPU check at commit {_git_stamp()}: `python benchmarks/memory_model.py --check`\n")
         print(check_table(results))
         if args.json:
