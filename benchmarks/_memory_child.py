@@ -143,6 +143,10 @@ def main() -> None:
     from gspo_lightning.rollout.worker import RolloutWorker
     from gspo_lightning.update import PolicyUpdater
 
+    import gspo_lightning.logprobs as logprobs
+
+    # the chunked head at a size a CPU can run: the threshold is a keyword default of response_logprobs
+    logprobs.response_logprobs.__kwdefaults__["max_unchunked_bytes"] = run["max_unchunked_bytes"]
     tracker = LiveTensorBytes()
     step = [0]
     widths = []

@@ -149,6 +149,7 @@ class Run:
     micro_batch_size: Optional[int] = 4  # per rank; None: the whole local mini-batch (today's null)
     generation_batch_size: Optional[int] = 64  # per rank; None: all local rows (today's null)
     logprob_chunk_size: int = 512
+    max_unchunked_bytes: int = MAX_UNCHUNKED_BYTES  # logprobs.py: larger response logits are chunked
     reference: bool = True  # a KL term needs the frozen reference
     old_pass: bool = True  # old_logprobs: recompute with more than one update per rollout
     engine: str = "hf"  # hf: generation in the trainer's memory; vllm: not counted here
@@ -274,13 +275,18 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     S = run.prompt_length + run.response_length
     out.states["rollout"] = rows * S * 16 + rows * run.response_length * 4 * 4  # ids, masks; engine/old/ref log-probs, advantages
 
-    # sharded units gathered in a forward: the root (embeddings, final norm, head) stays gathered
-    # until backward; two decoder layers are in flight (the current one and the prefetch)
+    # sharded units: the root (embeddings, final norm, head) is gathered at the first forward and
+    # stays so until backward reshards it (no-grad forwards never do); gathering it holds the
+    # all-gather buffer beside the unsharded parameters. Decoder layers are gathered one at a
+    # time, with the next one prefetched; in backward a layer's unsharded grads wait for the
+    # reduce-scatter beside its input buffer.
     root = counts["embed"] + counts["head"] + counts["norm"]
-    gathered = b * (root + 2 * counts["layer"]) if sharded else 0
-    gathered_grads = b * (2 * counts["layer"]) if sharded else 0  # a layer's unsharded grads + reduce-scatter input
+    layer = counts["layer"]
+    gathered = b * max(2 * root, root + 3 * layer) if sharded else 0  # no-grad passes: at the root's all-gather
+    gathered_fwd = b * root if sharded else 0  # the training forward's peak is at the head, layers resharded
+    gathered_bwd = b * (root + 2 * layer + 2 * layer) if sharded else 0
     if run.strategy == "zero3" and n > 1:
-        gathered_grads += b * ZERO3_REDUCE_BUCKET
+        gathered_bwd += b * ZERO3_REDUCE_BUCKET
 
     # -- generate (HF engine; vLLM holds its own pool, not counted)
     if run.engine == "hf":
@@ -318,7 +324,7 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     def head_nograd() -> int:
         if run.full_logits():
             return N * shape.vocab * (b + (4 if b == 2 else 0) + 12)
-        rows = N if N * shape.vocab * 4 <= MAX_UNCHUNKED_BYTES else run.logprob_chunk_size
+        rows = N if N * shape.vocab * 4 <= run.max_unchunked_bytes else run.logprob_chunk_size
         return logits_and_entropy(rows)
 
     # -- logprobs (no grad): old policy and reference, one micro-batch at a time, rows in order
@@ -332,7 +338,11 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
         head = b * m * S * shape.hidden + b * N * shape.hidden + head_nograd()  # hidden states, response rows, head
         phase = {"grads (previous step)": grads, "decoder or head (no grad)": max(decoder, head)}
         if sharded:
-            phase["gathered weights"] = gathered
+            # the policy's root is still gathered from the generation (HF engine); a sharded
+            # reference gathers its own root beside it
+            policy_pass = b * (root + 2 * layer) if run.engine == "hf" else gathered
+            reference_pass = b * root + gathered if run.reference and run.reference_sharded() else 0
+            phase["gathered weights"] = max(policy_pass, reference_pass)
         out.phases["logprobs"] = phase
 
     # -- update: one micro-batch forward + backward
@@ -362,23 +372,24 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     if run.full_logits():
         head_fwd = N * V * (b + (4 if b == 2 else 0) + 12)  # logits, float32 copy, log-softmax, exp, p*logp
         head_bwd = N * V * 12 + head_grad  # saved log-softmax, gather's gradient, log-softmax's gradient
-    elif N * V * 4 <= MAX_UNCHUNKED_BYTES:
+    elif N * V * 4 <= run.max_unchunked_bytes:
         head_fwd = logits_and_entropy(N)
         head_bwd = N * V * (4 + (b if b == 2 else 0)) + head_grad
     else:  # logprob_chunk_size rows at a time under checkpoint: recomputed in backward
         c = run.logprob_chunk_size
         head_fwd = logits_and_entropy(c)
-        head_bwd = c * V * (4 + 2 * (b if b == 2 else 0)) + head_grad
+        # each chunk's weight gradient is summed into autograd's buffer for the head weight: two at once
+        head_bwd = c * V * (4 + 2 * (b if b == 2 else 0)) + 2 * head_grad
     bwd = backward_working_bytes(shape, b, tokens)
     saved += shared
-    activations = max(saved + final_norm + cache, saved + final_norm + hidden + head_fwd,
-                      saved + final_norm + hidden + head_bwd, saved + recomputed + bwd)
-    phase = {"activations (micro-batch %d x %d)" % (m, S): activations}
+    forward = max(saved + final_norm + cache, saved + final_norm + hidden + head_fwd) + gathered_fwd
+    backward = max(saved + final_norm + hidden + head_bwd, saved + recomputed + bwd) + gathered_bwd
+    activations = max(forward, backward)
+    label = "activations (micro-batch %d x %d)" % (m, S) + (" + gathered weights" if sharded else "")
+    phase = {label: activations}
     micros_per_mini = math.ceil(run.mini_batch_size // n / m)
     if micros_per_mini > 1:
         phase["grads (accumulating)"] = grads
-    if sharded:
-        phase["gathered weights"] = gathered + gathered_grads
     out.phases["update"] = phase
     if micros_per_mini == 1:  # the grads fill in as the activations drain: whichever is larger
         phase["grads (accumulating)"] = max(0, grads - activations)
@@ -501,6 +512,7 @@ CHECK_CASES = {
     "1 rank": (1, "ddp", {}),
     "1 rank, checkpointing": (1, "ddp", {"gradient_checkpointing": True}),
     "1 rank, bf16": (1, "ddp", {"precision": "bf16"}),
+    "1 rank, chunked head": (1, "ddp", {"max_unchunked_bytes": MiB, "logprob_chunk_size": 64}),
     "2 ranks DDP": (2, "ddp", {}),
     "2 ranks FSDP2 (today: full logits, unsharded ref)": (2, "fsdp2", {"fsdp2_chunked_head": False,
                                                                         "fsdp2_sharded_reference": False}),
