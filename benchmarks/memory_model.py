@@ -258,13 +258,11 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
     out = Prediction(shape, run)
 
     # persistent state
+    grads = b * own
     if run.strategy == "zero3":  # DeepSpeed: 2 (bf16 weight) + 2 (grad) + 12 (fp32 master + moments) = 16 per parameter
-        master = 4 * own if b == 2 else 0
-        out.states = {"weights": b * own, "optimizer": 8 * own + master}
-        grads = b * own
-    else:
-        out.states = {"weights": b * own, "optimizer": 2 * b * own}  # AdamW exp_avg, exp_avg_sq in the param dtype
-        grads = b * own
+        out.states = {"weights": b * own, "optimizer": 8 * own + (4 * own if b == 2 else 0)}
+    else:  # AdamW's exp_avg and exp_avg_sq in the parameters' dtype
+        out.states = {"weights": b * own, "optimizer": 2 * b * own}
     if run.strategy == "ddp" and n > 1:
         # torch's DDP Reducer allocates flat gradient buckets for every parameter when it is built
         # (Lightning's default gradient_as_bucket_view=False), even though the reducer's own sync is off
@@ -498,11 +496,13 @@ def tables(run: Run) -> str:
            f"HF engine, {'with' if run.reference else 'without'} the frozen reference (KL), old-policy pass "
            f"{'on' if run.old_pass else 'off'}; FSDP2 with the chunked head and the sharded reference (after the fixes).",
            "", grid_table(run), "",
-           f"Qwen3-8B, FSDP2, 8 ranks, {run.precision}, gradient checkpointing on (as in configs/gsm8k_qwen3.yaml), "
+           f"Qwen3-8B, FSDP2, 8 ranks, {run.precision}, gradient checkpointing on and the vLLM engine (as in "
+           f"configs/gsm8k_qwen3.yaml; vLLM's own pool, gpu_memory_utilization x the GPU, comes on top), "
            f"the same batch: the fixes of issue 29 one at a time "
            f"(peak GiB and its phase; the last column: micro_batch_size and generation_batch_size null as well, "
            f"one value per length).", "",
-           fixes_table(QWEN3["qwen3-8b"], replace(run, ranks=8, strategy="fsdp2", gradient_checkpointing=True))]
+           fixes_table(QWEN3["qwen3-8b"], replace(run, ranks=8, strategy="fsdp2", gradient_checkpointing=True,
+                                                  engine="vllm"))]
     return "\n".join(out)
 
 
