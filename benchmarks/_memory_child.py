@@ -50,10 +50,6 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         if self.phase is not None and self.live > self.peaks.get(self.phase, 0):
             self.peaks[self.phase] = self.live
-            if os.environ.get("MM_DEBUG") == f"{self.phase[0]}:{self.phase[1]}":
-                import traceback
-                self.snapshot = (sorted(((v, str(k.dtype) if hasattr(k, 'dtype') else '') for k, v in self.sizes.items()),
-                                        reverse=True)[:40], traceback.format_stack(limit=12))
 
     def _free(self, storage_id: int) -> None:
         self._add(-self._finalizers.pop(storage_id)[1])
@@ -203,8 +199,6 @@ def main() -> None:
     if torch.distributed.is_initialized():  # the largest rank
         torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     phases = dict(zip(("generate", "logprobs", "update", "optimizer step"), (int(v) for v in peaks.tolist())))
-    if os.environ.get("MM_DEBUG") and trainer.global_rank == 0:
-        print("SNAPSHOT", json.dumps(getattr(tracker, "snapshot", None)))
     if trainer.global_rank == 0:
         peak_phase = max(phases, key=phases.get)
         Path(args.out).write_text(json.dumps({"phases": phases, "peak": phases[peak_phase], "peak_phase": peak_phase,

@@ -22,8 +22,10 @@ allocated, because ``zero_grad(set_to_none=True)`` runs at the start of each min
 - ``update``: a micro-batch's forward and backward (``update.PolicyUpdater.run``): the
   tensors autograd saves per decoder layer (counted tensor by tensor for the Qwen3 / Llama
   layer, see :func:`layer_saved_bytes`), or only the layer inputs plus one recomputed layer
-  with gradient checkpointing, the head path, the backward working set; then the optimizer
-  step (AdamW's ``foreach`` temporary, DDP's 64 MiB gradient buckets).
+  with gradient checkpointing, the head path, the backward working set, FSDP2's gathered
+  units; or, after the last backward, DDP's 64 MiB gradient buckets (``distributed.py``).
+- ``optimizer step``: the gradients and AdamW's temporary (``foreach``, the GPU default:
+  ``sqrt(exp_avg_sq)`` of every parameter at once; per parameter on CPU).
 
 Strategies: ``ddp`` (everything replicated), ``fsdp2`` (``fully_shard`` per decoder layer
 and at the root, ``module._fully_shard``: parameters, gradients and AdamW state 1/n; the
