@@ -515,6 +515,8 @@ CHECK_CASES = {
     "1 rank, checkpointing": (1, "ddp", {"gradient_checkpointing": True}),
     "1 rank, bf16": (1, "ddp", {"precision": "bf16"}),
     "1 rank, chunked head": (1, "ddp", {"max_unchunked_bytes": MiB, "logprob_chunk_size": 64}),
+    # rows in order, so a micro-batch's rows share their prompts (logprobs.response_hidden_states)
+    "1 rank, one mini-batch": (1, "ddp", {"mini_batch_size": 16, "micro_batch_size": 8, "old_pass": False}),
     "2 ranks DDP": (2, "ddp", {}),
     "2 ranks FSDP2 (today: full logits, unsharded ref)": (2, "fsdp2", {"fsdp2_chunked_head": False,
                                                                         "fsdp2_sharded_reference": False}),
