@@ -105,7 +105,7 @@ def harness(request):
         if hosted is None:
             vllm_engine()  # skips without vLLM
             hosted = {"class_path": "gspo_lightning.rollout.VLLMEngine", "init_args": VLLM_ARGS}
-        server, httpd, url = serve_in_thread(MODEL, hosted, prompt_length=8, response_length=MAX_NEW)
+        server, httpd, url = serve_in_thread(MODEL, hosted, prompt_length=8, response_length=MAX_NEW, seed=RUN_SEED)
         engine = RemoteEngine(urls=[url])
     engine.start(EngineSpec(
         model_name_or_path=MODEL, dtype="float32", prompt_length=8, response_length=MAX_NEW, seed=RUN_SEED,
