@@ -10,7 +10,7 @@ loss is scaled by the world size to turn their average into the sum we need.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,11 +55,10 @@ class GradientSync:
         return cls("strategy", float(world_size))
 
     def reduce(self, params: Iterable[nn.Parameter], finite: bool, device: torch.device) -> bool:
-        """Sum gradients over ranks (``manual`` mode) in flat buckets; whether every rank was finite."""
-        if self.mode != "manual":
+        """Sum gradients over ranks (``manual`` mode) in flat buckets, unless ``finite`` (already
+        agreed by every rank) is false; returns ``finite``."""
+        if self.mode != "manual" or not finite:
             return finite
-        if not all_ranks_true(finite, device):
-            return False
         params = [p for p in params if p.requires_grad]
         for p in params:  # a parameter unused on one rank (an idle expert) must still join the sum
             if p.grad is None:
@@ -79,6 +78,13 @@ class GradientSync:
         return True
 
 
+def deepspeed_grad_norm(engine) -> Optional[Tensor]:
+    """The global gradient norm the DeepSpeed engine measured in its last step (``None``
+    before one): DeepSpeed owns the gradients, so ``clip_grad_norm`` cannot measure it."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else torch.as_tensor(float(norm))
+
+
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None, sync: GradientSync, device) -> Tensor:
     """The total gradient norm, clipped to ``max_norm`` (``None``: measure only)."""
     if sync.mode == "deepspeed":
@@ -92,4 +98,4 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None, sync:
     return norm.detach()
 
 
-__all__ = ["GradientSync", "all_ranks_true", "all_reduce_sum", "clip_grad_norm"]
+__all__ = ["GradientSync", "all_ranks_true", "all_reduce_sum", "clip_grad_norm", "deepspeed_grad_norm"]

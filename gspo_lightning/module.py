@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
-from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm
+from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm, deepspeed_grad_norm
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.evaluation import record_eval_rollout
 from gspo_lightning.loggers import logger_identity
@@ -428,13 +428,14 @@ class GSPOModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         sync = self.grad_sync
 
-        def step(count: bool) -> None:
+        def step(count: bool) -> Optional[Tensor]:
             if count:  # through Lightning's wrapper: advances trainer.global_step once per rollout
                 optimizer.step()
             else:
                 self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
             if scheduler is not None:
                 scheduler.step()
+            return deepspeed_grad_norm(self.trainer.strategy.deepspeed_engine) if sync.mode == "deepspeed" else None
 
         return UpdateOps(
             backward=lambda loss: self.manual_backward(loss * sync.loss_scale),

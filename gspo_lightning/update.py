@@ -73,16 +73,17 @@ class UpdateOps:
     """The optimizer side of an update, provided by the training strategy.
 
     ``step(count)``: one optimizer (and scheduler) step; ``count`` marks the step that
-    advances the trainer's step counter (one per rollout). ``reduce_gradients(finite)``
-    sums gradients over ranks where the strategy does not, and returns whether every rank
-    was finite. ``all_reduce_sum`` sums a tensor over ranks (identity on one process).
+    advances the trainer's step counter (one per rollout); it returns the gradient norm when
+    the strategy measured it in the step (DeepSpeed), else ``None``. ``reduce_gradients(finite)``
+    sums gradients over ranks where the strategy does not; ``finite`` is already agreed by
+    every rank, and it returns whether the step may go on. ``all_reduce_sum`` sums a tensor over ranks (identity on one process).
     """
 
     backward: Callable[[Tensor], None]
     zero_grad: Callable[[], None]
     reduce_gradients: Callable[[bool], bool]
     clip_gradients: Callable[[], Tensor]
-    step: Callable[[bool], None]
+    step: Callable[[bool], Optional[Tensor]]
     all_reduce_sum: Callable[[Tensor], Tensor]
 
 
@@ -168,8 +169,8 @@ class PolicyUpdater:
                 # denominators of the whole optimizer step, over all ranks
                 counts = ops.all_reduce_sum(torch.stack([(lengths[mini_rows] > 0).sum(), mask[mini_rows].sum()]).float())
                 ops.zero_grad()
-                finite = True
-                step_loss = 0.0
+                step_loss = torch.zeros((), device=device)
+                records = []
                 for rows in mini_rows.split(s.micro_batch_size):
                     logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], router, first)
                     micro_old = old[rows] if old is not None else logprobs.detach()
@@ -181,30 +182,33 @@ class PolicyUpdater:
                         kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
                         num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
                     )
-                    if not self._finite_everywhere(loss, ops):
-                        finite = False  # every rank skips together: sharded backwards are collective
-                        break
                     if aux_loss is not None:
                         # a mean per micro-batch, weighed by its share of the step's responses over
                         # ALL ranks: the gradients are summed over ranks, so this sums to the mean
                         share = len(rows) / (len(mini_rows) * s.world_size)
                         loss = loss + s.router_aux_loss_coef * aux_loss * share
+                    # a non-finite loss runs its backward too: every rank takes as many (sharded
+                    # backwards are collective), and the step is skipped below on all ranks at once
                     ops.backward(loss)
-                    step_loss += float(loss.detach())
-                    micro = MicroBatch(rows, logprobs.detach(), micro_old, advantages[rows], mask[rows], loss_metrics, s)
-                    self._record(micro, lengths[rows], entropy, first)
-                    if first and rollout.engine_logprobs is not None:
-                        self._record_mismatch(rollout, rows, logprobs.detach())
+                    step_loss += loss.detach()  # no host sync per micro-batch
+                    records.append((MicroBatch(rows, logprobs.detach(), micro_old, advantages[rows], mask[rows],
+                                               loss_metrics, s), entropy))
+                finite = self._finite_everywhere(step_loss, ops)  # one collective per optimizer step
                 finite = ops.reduce_gradients(finite)
                 grad_norm = ops.clip_gradients() if finite else torch.tensor(float("nan"))
                 if finite and bool(torch.isfinite(grad_norm)):
-                    ops.step(not counted)
+                    for micro, entropy in records:
+                        self._record(micro, lengths[micro.rows], entropy, first)
+                        if first and rollout.engine_logprobs is not None:
+                            self._record_mismatch(rollout, micro.rows, micro.logprobs)
+                    measured = ops.step(not counted)
                     counted = True
                     steps_taken += 1
                     self.consecutive_nonfinite = 0
-                    self.metrics.update("grad_norm", grad_norm)
+                    # DeepSpeed measures the norm in its own step (``clip_gradients`` cannot)
+                    self.metrics.update("grad_norm", grad_norm if measured is None else measured)
                     # summed over ranks: each rank's loss already divides by the global counts
-                    self.metrics.update("loss/policy", ops.all_reduce_sum(torch.tensor(step_loss, device=device)))
+                    self.metrics.update("loss/policy", ops.all_reduce_sum(step_loss))
                 else:
                     self._skip(ops)
         return steps_taken
@@ -229,7 +233,8 @@ class PolicyUpdater:
 
     @staticmethod
     def _finite_everywhere(loss: Tensor, ops: UpdateOps) -> bool:
-        bad = torch.tensor([0.0 if bool(torch.isfinite(loss)) else 1.0], device=loss.device)
+        """Whether the loss is finite on every rank: one all-reduce and one host sync."""
+        bad = (~torch.isfinite(loss)).float().reshape(1)
         return bool(ops.all_reduce_sum(bad).item() == 0)
 
     def _record(self, micro: MicroBatch, lengths: Tensor, entropy: Tensor, first: bool) -> None:
