@@ -203,6 +203,7 @@ class GSPOModule(L.LightningModule):
         self.rollout_steps = 0  # rollout batches trained on
         self.grad_sync = GradientSync()
         self.sharded = False  # parameters split over ranks (FSDP2)
+        self._chunked_logprobs = True  # the decoder and the head may be called separately
         self._updater_state: dict[str, int] = {}
         self._trained_this_fit = False
 
@@ -235,13 +236,13 @@ class GSPOModule(L.LightningModule):
             self.router = RoutingRecorder(self.policy)
 
     def _fully_shard(self, mesh) -> None:
-        """FSDP2: shard each decoder layer, then the rest (embeddings, head) at the root."""
-        from torch.distributed.fsdp import fully_shard
+        """FSDP2: the policy and the frozen reference, sharded alike (``sharding.py``)."""
+        from gspo_lightning.sharding import data_parallel_mesh, fully_shard_causal_lm
 
-        dp_mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
-        for layer in self.policy.get_decoder().layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(self.policy, mesh=dp_mesh)
+        dp_mesh = data_parallel_mesh(mesh)
+        self._chunked_logprobs = fully_shard_causal_lm(self.policy, dp_mesh)
+        if self.reference is not None:
+            fully_shard_causal_lm(self.reference, dp_mesh)
         self.sharded = True
 
     def configure_optimizers(self):
@@ -351,9 +352,9 @@ class GSPOModule(L.LightningModule):
             model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width,
             # the distribution the engine sampled from: temperature, then the top-k / top-p filters
             temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p,
-            # the chunked path calls the decoder and head separately, bypassing the root's
-            # FSDP2 all-gather of embeddings and head: sharded policies take the naive path
-            chunk_size=None if self.sharded else hp.logprob_chunk_size,
+            # the chunked path calls the decoder and the head separately: under FSDP2 both are
+            # their own units, unless the model has parameters outside them (sharding.py)
+            chunk_size=hp.logprob_chunk_size if self._chunked_logprobs else None,
         )
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:

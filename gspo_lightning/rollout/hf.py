@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from gspo_lightning.rollout import kv_decode
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.sampling import filter_logits
+from gspo_lightning.sharding import gathered
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -66,20 +67,23 @@ class HFEngine(RolloutEngine):
         generator = torch.Generator(device=device).manual_seed(seed)
         # chunks hold whole groups: generation_batch_size responses -> that many // n prompts
         per_chunk = max(1, (self.generation_batch_size or len(prompt_ids) * n) // n)
-        parts = [self._sample_groups(prompt_ids[i:i + per_chunk], n, params, generator, device)
-                 for i in range(0, len(prompt_ids), per_chunk)]
+        # FSDP2: gather the weights once for the whole call, not in every decoded token's forward
+        with gathered(self.model) as sharded:
+            parts = [self._sample_groups(prompt_ids[i:i + per_chunk], n, params, generator, device, lockstep=not sharded)
+                     for i in range(0, len(prompt_ids), per_chunk)]
         return _concat(parts, self.pad_token_id)
 
-    def _sample_groups(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator, device) -> Generation:
+    def _sample_groups(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator, device,
+                       lockstep: bool = True) -> Generation:
         """``n`` samples of each prompt. The prompt is prefilled once and its KV cache copied to
         the ``n`` samples, instead of prefilling every prompt ``n`` times."""
         with _grad_free_mode(self.model, sharded=self.all_finished is not None):
-            out = self._sample_groups_grad_free(prompts, n, params, generator, device)
+            out = self._sample_groups_grad_free(prompts, n, params, generator, device, lockstep)
         # ordinary tensors again: the trainer saves the tokens for backward and edits results in place
         return Generation(*(t.clone() for t in (out.completion_ids, out.logprobs, out.lengths, out.truncated)))
 
     def _sample_groups_grad_free(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                               generator: torch.Generator, device) -> Generation:
+                               generator: torch.Generator, device, lockstep: bool = True) -> Generation:
         model = self.model
         was_training = model.training
         model.eval()
@@ -111,7 +115,7 @@ class HFEngine(RolloutEngine):
                 if step == feeds:
                     break
                 done = bool(finished.all())
-                if self.all_finished is not None:
+                if self.all_finished is not None and lockstep:  # gathered weights need no lockstep
                     done = self.all_finished(done)
                 if done:
                     break

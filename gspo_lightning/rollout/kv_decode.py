@@ -51,14 +51,15 @@ def supports(model: nn.Module) -> bool:
 
 def _sharded(model: nn.Module) -> bool:
     """FSDP gathers a layer's weights in that layer's forward; calling its submodules
-    directly would see shards."""
+    directly would see shards. FSDP2 units gathered for a whole generation
+    (``sharding.gathered``) hold plain tensors and decode here."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         DTensor = ()
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return True
-    return any(type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) for m in model.modules())
+    return any(type(m).__name__.startswith("FullyShardedDataParallel") for m in model.modules())
 
 
 class KVDecoder:
