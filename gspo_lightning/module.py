@@ -93,9 +93,11 @@ class GSPOModule(L.LightningModule):
             are what let the clip act: with one, every ratio is exactly 1.
         mini_batch_size: responses per optimizer step over all ranks; when set, it takes
             precedence over ``num_mini_batches``.
-        micro_batch_size: responses per forward/backward on each rank (``null``: the whole
-            local mini-batch); a memory knob that leaves the gradient unchanged, except the
-            MoE load-balancing loss, which is a mean per micro-batch.
+        micro_batch_size: responses per forward/backward on each rank, also in the no-grad
+            old-policy and reference passes (``null``: the fewest equal micro-batches of at most
+            8192 tokens, counting ``prompt_length + response_length`` per response); a memory knob
+            that leaves the gradient unchanged, except the MoE load-balancing loss, which is a
+            mean per micro-batch.
         max_grad_norm: gradient norm clip (``null``: off).
         old_logprobs: ``recompute`` the old policy's log-probs with the trainer, or take the
             ``engine``'s sampled-token log-probs (no extra pass; the paper's shortcut).
@@ -302,6 +304,7 @@ class GSPOModule(L.LightningModule):
             prompts_per_step, world, group_size=hp.num_return_sequences_in_group, num_mini_batches=hp.num_mini_batches,
             mini_batch_size=hp.mini_batch_size, micro_batch_size=hp.micro_batch_size, ppo_epochs=hp.ppo_epochs,
             warn_no_clip=hp.old_logprobs == "recompute" and self.rollout_steps == 0,
+            tokens_per_response=(hp.prompt_length or 0) + hp.response_length,
         )
         settings = UpdateSettings(
             importance_sampling=hp.importance_sampling, clip_low=self.clip_low, clip_high=self.clip_high,

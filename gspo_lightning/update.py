@@ -87,14 +87,20 @@ class UpdateOps:
     all_reduce_sum: Callable[[Tensor], Tensor]
 
 
+# micro_batch_size: null holds at most this many tokens (prompt + response width) per forward
+MICRO_BATCH_TOKENS = 8192
+
+
 def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini_batches: Optional[int],
                  mini_batch_size: Optional[int], micro_batch_size: Optional[int], ppo_epochs: int,
-                 warn_no_clip: bool = False) -> tuple[int, int]:
+                 warn_no_clip: bool = False, tokens_per_response: Optional[int] = None) -> tuple[int, int]:
     """``(mini, micro)``: responses per optimizer step and per forward on each rank.
 
     ``mini_batch_size`` (all ranks), when set, takes precedence over ``num_mini_batches``.
-    Raises when the sizes do not divide the step; warns (``warn_no_clip``) when one update
-    per rollout makes every ratio exactly 1."""
+    ``micro_batch_size=None`` splits the mini-batch into the fewest equal micro-batches of at
+    most :data:`MICRO_BATCH_TOKENS` tokens (``tokens_per_response``: the padded width of a
+    row; unknown: the whole mini-batch). Raises when the sizes do not divide the step; warns
+    (``warn_no_clip``) when one update per rollout makes every ratio exactly 1."""
     if prompts_per_step % world:
         raise ValueError(f"data.rollout_batch_size={prompts_per_step} does not split over {world} ranks")
     local = prompts_per_step // world * group_size
@@ -109,6 +115,9 @@ def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini
             raise ValueError(f"num_mini_batches={splits} does not divide the {local} responses of a step on each rank "
                              f"(rollout_batch_size x num_return_sequences_in_group / ranks)")
         mini = local // splits
+    if micro_batch_size is None and tokens_per_response:
+        forwards = -(-mini // max(1, MICRO_BATCH_TOKENS // tokens_per_response))
+        micro_batch_size = -(-mini // forwards)  # as even as the count allows
     micro = min(micro_batch_size or mini, mini)  # a last, smaller micro-batch is fine: denominators are global
     if warn_no_clip and ppo_epochs * (local // mini) == 1:
         warnings.warn("one optimizer step per rollout (num_mini_batches=1, ppo_epochs=1) with recomputed old "
