@@ -273,7 +273,7 @@ class GSPOModule(L.LightningModule):
         return callbacks
 
     def on_fit_start(self) -> None:
-        self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size)
+        self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
         if self.hparams.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
             self._build_updater(self.hparams.rollout_batch_size)
         self._start_worker()
@@ -418,8 +418,9 @@ class GSPOModule(L.LightningModule):
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
+        forward = self.grad_sync.policy_forward or (lambda *args: self._logprobs(self.policy, *args))  # DDP: its wrapper
         self.policy_version += self.updater.run(
-            rollout, advantages, old, ref, lambda rows: self._logprobs(self.policy, rollout, rows), self._update_ops(),
+            rollout, advantages, old, ref, lambda rows: forward(rollout, rows), self._update_ops(),
             router=self.router, generator=generator,
         )
         time_train = time.perf_counter() - start
@@ -448,6 +449,7 @@ class GSPOModule(L.LightningModule):
             clip_gradients=lambda: clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
             step=step,
             all_reduce_sum=all_reduce_sum,
+            sync_next_backward=sync.sync_next_backward,
         )
 
     def _log_step(self, batch, rollout: Rollout, advantages: Tensor, time_logprobs: float, time_train: float, elapsed: float) -> None:

@@ -76,7 +76,9 @@ class UpdateOps:
     advances the trainer's step counter (one per rollout); it returns the gradient norm when
     the strategy measured it in the step (DeepSpeed), else ``None``. ``reduce_gradients(finite)``
     sums gradients over ranks where the strategy does not; ``finite`` is already agreed by
-    every rank, and it returns whether the step may go on. ``all_reduce_sum`` sums a tensor over ranks (identity on one process).
+    every rank, and it returns whether the step may go on. ``all_reduce_sum`` sums a tensor
+    over ranks (identity on one process). ``sync_next_backward(last)`` says whether the next
+    micro-batch is its optimizer step's last (DDP syncs gradients in that backward only).
     """
 
     backward: Callable[[Tensor], None]
@@ -85,6 +87,7 @@ class UpdateOps:
     clip_gradients: Callable[[], Tensor]
     step: Callable[[bool], Optional[Tensor]]
     all_reduce_sum: Callable[[Tensor], Tensor]
+    sync_next_backward: Callable[[bool], None] = lambda last: None
 
 
 # micro_batch_size: null holds at most this many tokens (prompt + response width) per forward
@@ -180,7 +183,9 @@ class PolicyUpdater:
                 ops.zero_grad()
                 step_loss = torch.zeros((), device=device)
                 records = []
-                for rows in mini_rows.split(s.micro_batch_size):
+                micro_batches = mini_rows.split(s.micro_batch_size)
+                for index, rows in enumerate(micro_batches):
+                    ops.sync_next_backward(index == len(micro_batches) - 1)  # DDP: overlap the last backward
                     logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], router, first)
                     micro_old = old[rows] if old is not None else logprobs.detach()
                     loss, loss_metrics = policy_loss(

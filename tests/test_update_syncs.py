@@ -24,7 +24,7 @@ def rollout() -> Rollout:
 
 def run(micro_batch_size: int, advantages: torch.Tensor, measured=None):
     theta = torch.nn.Parameter(torch.linspace(-1.0, -0.5, N * T).view(N, T))
-    calls = {"all_reduce": 0, "backward": 0, "step": 0}
+    calls = {"all_reduce": 0, "backward": 0, "step": 0, "last": []}
 
     def all_reduce_sum(t):
         calls["all_reduce"] += 1
@@ -42,7 +42,7 @@ def run(micro_batch_size: int, advantages: torch.Tensor, measured=None):
 
     ops = UpdateOps(backward=backward, zero_grad=lambda: setattr(theta, "grad", None),
                     reduce_gradients=lambda finite: finite, clip_gradients=lambda: theta.grad.norm() if theta.grad is not None else torch.tensor(0.0),
-                    step=step, all_reduce_sum=all_reduce_sum)
+                    step=step, all_reduce_sum=all_reduce_sum, sync_next_backward=calls["last"].append)
     settings = UpdateSettings(importance_sampling="seq", clip_low=0.2, clip_high=0.2, dual_clip=None,
                               loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, kl_estimator="k3", horizon=T,
                               ppo_epochs=1, mini_batch_size=4, micro_batch_size=micro_batch_size,
@@ -63,6 +63,8 @@ def test_one_finite_check_per_optimizer_step_whatever_the_micro_batches():
     split, _, metrics_split, theta_split = run(1, advantages)
     assert whole["all_reduce"] == split["all_reduce"] == 2 * 3
     assert split["backward"] == 8 and whole["backward"] == 2
+    # DDP syncs in the backward of each optimizer step's last micro-batch only
+    assert split["last"] == [False, False, False, True] * 2 and whole["last"] == [True, True]
     torch.testing.assert_close(theta_split, theta_whole)
     assert metrics_split["loss/policy"] == pytest.approx(metrics_whole["loss/policy"], rel=1e-6)
 

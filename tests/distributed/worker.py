@@ -107,7 +107,8 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/"))}
         out = os.path.join(out_dir, f"{case}.pt")
-        torch.save({"state": state, "initial": initial, "metrics": metrics, "world": world}, out)
+        torch.save({"state": state, "initial": initial, "metrics": metrics, "world": world,
+                    "grad_sync": module.grad_sync.mode}, out)
         print(json.dumps({"saved": out, "world": world}))
 
 
