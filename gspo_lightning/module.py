@@ -418,7 +418,9 @@ class GSPOModule(L.LightningModule):
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
-        forward = self.grad_sync.policy_forward or (lambda *args: self._logprobs(self.policy, *args))  # DDP: its wrapper
+        forward = self.grad_sync.policy_forward  # DDP: the policy's own wrapper, which syncs in backward
+        if forward is None:
+            forward = lambda *args: self._logprobs(self.policy, *args)  # noqa: E731
         self.policy_version += self.updater.run(
             rollout, advantages, old, ref, lambda rows: forward(rollout, rows), self._update_ops(),
             router=self.router, generator=generator,
