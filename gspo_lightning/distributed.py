@@ -77,9 +77,10 @@ class GradientSync:
             from torch.nn.parallel import DistributedDataParallel
 
             # find_unused_parameters: an expert no token of this rank chose still joins the sum
-            # (the search runs once per optimizer step, in the synced forward only)
+            # (the search runs once per optimizer step, in the synced forward only);
+            # gradient_as_bucket_view: gradients live in the reducer's buckets, not in a copy beside them
             ddp = DistributedDataParallel(PolicyForward(policy, logprobs), find_unused_parameters=True,
-                                          broadcast_buffers=False)
+                                          broadcast_buffers=False, gradient_as_bucket_view=True)
             return cls("reducer", float(world_size), ddp)
         return cls("strategy", float(world_size))
 
