@@ -144,9 +144,11 @@ def render() -> str:
     from gspo_lightning.cli import TRAINER_DEFAULTS
     from gspo_lightning.data import PromptDataModule
     from gspo_lightning.module import GSPOModule
+    from gspo_lightning.rollout import HFEngine
 
     parts = [HEADER]
     parts += section("model", GSPOModule)
+    parts += section("model.engine.init_args", HFEngine)  # the default engine's keys
     parts += section("data", PromptDataModule)
     parts += ["## `trainer:` (lightning.pytorch.Trainer)", "",
               "Every `Trainer` argument is a key (see Lightning's documentation). `gspo` changes these defaults:", "",
