@@ -33,15 +33,16 @@ class CountingTransport(InProcessTransport):
         return super().send(engine, weights, version)
 
 
-def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, response_length: int = 10, **server_kwargs):
+def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, response_length: int = 10, seed: int = 0,
+                    **server_kwargs):
     """A rollout server hosting ``engine`` in this process, on a free localhost port:
     ``(server, httpd, url)``; stop with ``httpd.shutdown(); server.close()``."""
     import threading
 
     from gspo_lightning.rollout.server import RolloutServer, ServerSpec
 
-    server = RolloutServer(ServerSpec(model, prompt_length=prompt_length, response_length=response_length, engine=engine),
-                           **server_kwargs)
+    server = RolloutServer(ServerSpec(model, prompt_length=prompt_length, response_length=response_length, seed=seed,
+                                      engine=engine), **server_kwargs)
     server.start()
     httpd = server.http_server("127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

@@ -6,8 +6,8 @@ against the client too (tests/test_engine_contract.py, ``remote-*``)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,7 +21,6 @@ import torch
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout import EngineSpec, HFEngine, RemoteEngine, SamplingParams
 from gspo_lightning.rollout.remote import chunk_seed, request_json, split_evenly
-from gspo_lightning.rollout.server import ServerSpec, spec_json
 from gspo_lightning.rollout.transport import FolderTransport, WeightsChecksum
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.tasks import build_tiny
@@ -58,13 +57,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_process_server(tmp_path, port: int, model=MODEL) -> subprocess.Popen:
-    """``python -m gspo_lightning.rollout.server`` on ``port``, ready when this returns."""
-    spec = tmp_path / f"spec-{port}.json"
-    spec.write_text(spec_json(ServerSpec(model, prompt_length=8, response_length=6, engine=HF)))
+def start_process_server(tmp_path, port: int) -> subprocess.Popen:
+    """``gspo serve --config configs/quickstart_server.yaml --port port``, ready when this returns."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "gspo_lightning.rollout.server", "--spec", str(spec),
-                                "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "gspo_lightning.cli", "serve", "--config",
+                                str(ROOT / "configs/quickstart_server.yaml"), "--port", str(port)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -81,6 +79,24 @@ def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.kill()
         process.wait()
+
+
+# -- the configs --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("served, twin", [("quickstart_server.yaml", "quickstart.yaml"),
+                                          ("quickstart_vllm_server.yaml", "quickstart_vllm.yaml")])
+def test_the_server_quickstarts_are_their_twins_with_rollouts_from_a_server(served, twin):
+    import yaml
+
+    from gspo_lightning.rollout.server import spec_from_config
+
+    a, b = (yaml.safe_load((ROOT / "configs" / name).read_text()) for name in (served, twin))
+    engine = a["model"].pop("engine")
+    assert engine["class_path"] == "gspo_lightning.rollout.RemoteEngine" and engine["init_args"]["urls"] is None
+    hosted = b["model"].pop("engine", None) or {"class_path": "gspo_lightning.rollout.HFEngine"}
+    assert spec_from_config({"model": {"engine": engine}}).engine == hosted  # gspo serve hosts the twin's engine
+    for config in (a, b):
+        del config["trainer"]["default_root_dir"], config["trainer"]["logger"]
+    assert a == b
 
 
 # -- the transport -----------------------------------------------------------------------------------
@@ -114,6 +130,21 @@ def test_folder_transport_streams_buckets_in_order_and_removes_the_old_version(t
     assert not (tmp_path / "v3").exists() and (tmp_path / "v4").is_dir()
     transport.close()
     assert not (tmp_path / "v4").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")
+def test_the_nccl_transport_says_what_it_needs_without_cuda(server):
+    from gspo_lightning.rollout.transport import NCCLTransport
+
+    with pytest.raises(RuntimeError, match="NCCLTransport needs CUDA GPUs and NCCL.*use .*FolderTransport"):
+        NCCLTransport().send(iter([("w", torch.zeros(2))]), 0)
+    app, url = server
+    _, _, spec = policy_and_spec()
+    client = RemoteEngine(urls=[url])
+    client.start(spec)
+    with pytest.raises(RolloutServerError, match="NCCLTransport needs CUDA"):  # the server side says it too
+        request_json(url, "/weights", {"token": client.token, "version": 0, "manifest": {"kind": "nccl", "names": []}})
+    client.close()
 
 
 def test_prompts_are_split_in_whole_prompts_and_the_first_share_keeps_the_seed():
@@ -161,6 +192,47 @@ def test_several_servers_share_the_prompts_in_whole_groups(server):
         app2.close()
 
 
+def test_a_generation_asked_for_an_older_version_gets_the_newer_one_and_says_so(server):
+    """``generate`` beside training (asynchronous GSPO): a push lands while the request is on its way."""
+    _, url = server
+    policy, tok, spec = policy_and_spec(seed=1)
+    client = RemoteEngine(urls=[url])
+    client.start(spec)
+    client.update_weights(iter_policy_weights(policy), 4)
+    client.update_weights(iter_policy_weights(policy), 5)
+    client.weights_version = 4  # the version a background producer read before the push
+    generation = client.generate(prompts(tok), 2, SamplingParams(6), 0)
+    assert generation.weights_version == 5
+    client.close()
+
+
+def test_the_worker_tags_a_rollout_with_the_version_the_engine_reports():
+    from gspo_lightning.rollout import Generation, RolloutEngine, RolloutWorker
+    from gspo_lightning.rewards.base import RewardComposer
+
+    class Fixed(RolloutEngine):
+        reported = None
+
+        def start(self, spec):
+            pass
+
+        def generate(self, prompt_ids, n, params, seed):
+            rows = len(prompt_ids) * n
+            return Generation(torch.full((rows, 2), 5), torch.full((rows, 2), -0.5), torch.full((rows,), 2),
+                              torch.zeros(rows, dtype=torch.bool), weights_version=self.reported)
+
+    _, tok, _ = policy_and_spec()
+    engine = Fixed()
+    engine.weights_version = 3
+    rewards = RewardComposer([{"function": "gspo_lightning.tasks.successor.successor_reward"}])
+    worker = RolloutWorker(engine, rewards, tok, train_params=SamplingParams(2), group_size=2,
+                           eval_params=SamplingParams(2), eval_group_size=1)
+    batch = {"prompt_ids": prompts(tok, 2), "prompt_text": ["next 1", "next 7"], "columns": {"target": ["2", "8"]}}
+    assert worker.rollout(batch, seed=0, device=torch.device("cpu")).policy_version == 3  # none reported: the engine's
+    engine.reported = 7
+    assert worker.rollout(batch, seed=0, device=torch.device("cpu")).policy_version == 7
+
+
 # -- faults --------------------------------------------------------------------------------------------
 def test_no_server_at_start_is_one_line_naming_the_url_and_how_to_start_one(tmp_path, capsys):
     from gspo_lightning.cli import main
@@ -205,8 +277,9 @@ def test_a_rollout_from_weights_changed_behind_the_trainer_is_refused(server):
     client.generate(prompts(tok), 2, SamplingParams(6), 0)
     # another process loads other weights under the same version number
     other, _, _ = policy_and_spec(seed=2)
-    manifest = FolderTransport().send(iter_policy_weights(other), 2)
-    app.load(client.token, 2, manifest)
+    transport = FolderTransport()
+    app.load(client.token, 2, transport.send(iter_policy_weights(other), 2))
+    transport.close()
     with pytest.raises(RolloutServerError, match="rollout refused"):
         client.generate(prompts(tok), 2, SamplingParams(6), 0)
     client.close()
@@ -224,43 +297,86 @@ def test_a_second_trainer_is_refused_until_the_first_lets_go(server):
     second.close()
 
 
-def test_a_restarted_server_gets_the_weights_again_and_samples_the_same(tmp_path):
+def serve_on(port: int):
+    """A fresh rollout server (new ``server_id``, no weights) on ``port``, in this process."""
+    from gspo_lightning.rollout.server import RolloutServer, ServerSpec
+
+    app = RolloutServer(ServerSpec(MODEL, prompt_length=8, response_length=6, engine=HF))
+    app.start()
+    httpd = app.http_server("127.0.0.1", port)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return app, httpd
+
+
+def shut(httpd) -> None:
+    httpd.shutdown()
+    httpd.server_close()  # the port refuses connections, as when the process is gone
+
+
+def test_a_restarted_server_gets_the_weights_again_and_samples_the_same():
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = start_process_server(tmp_path, port)
+    app, httpd = serve_on(port)
+    policy, tok, spec = policy_and_spec(seed=4)
+    client = RemoteEngine(urls=[f"http://127.0.0.1:{port}"], reconnect_s=60)
+    client.start(spec)
+    client.update_weights(iter_policy_weights(policy), 7)
+    before = client.generate(prompts(tok), 4, SamplingParams(6), 3)
+    shut(httpd)
+    restarted = {}
+    timer = threading.Timer(1.5, lambda: restarted.update(zip(("app", "httpd"), serve_on(port))))
+    timer.start()
     try:
-        policy, tok, spec = policy_and_spec(seed=4)
-        client = RemoteEngine(urls=[url], reconnect_s=120)
-        client.start(spec)
-        client.update_weights(iter_policy_weights(policy), 7)
-        before = client.generate(prompts(tok), 4, SamplingParams(6), 3)
-        stop(process)
-        restarted = {}
-        threading.Timer(1.0, lambda: restarted.setdefault("p", start_process_server(tmp_path, port))).start()
         after = client.generate(prompts(tok), 4, SamplingParams(6), 3)  # waits, re-pushes version 7, generates
-        process = restarted["p"]
+        assert restarted["app"].server_id != app.server_id and restarted["app"].version == 7
         assert torch.equal(before.completion_ids, after.completion_ids) and after.weights_version == 7
-        assert request_json(url, "/info")["version"] == 7
         client.close()
     finally:
-        stop(process)
+        timer.join()
+        shut(restarted["httpd"])
 
 
-def test_a_server_that_stays_away_stops_the_rollout_after_reconnect_s(tmp_path):
+def test_a_server_that_stays_away_stops_the_rollout_after_reconnect_s():
     port = free_port()
-    process = start_process_server(tmp_path, port)
-    try:
-        policy, tok, spec = policy_and_spec()
-        client = RemoteEngine(urls=[f"http://127.0.0.1:{port}"], reconnect_s=1.0)
-        client.start(spec)
-        client.update_weights(iter_policy_weights(policy), 0)
-    finally:
-        stop(process)
+    _, httpd = serve_on(port)
+    policy, tok, spec = policy_and_spec()
+    client = RemoteEngine(urls=[f"http://127.0.0.1:{port}"], reconnect_s=1.0)
+    client.start(spec)
+    client.update_weights(iter_policy_weights(policy), 0)
+    shut(httpd)
     start = time.monotonic()
     with pytest.raises(RolloutServerError, match="did not recover within 1 s"):
         client.generate(prompts(tok), 2, SamplingParams(6), 0)
     assert time.monotonic() - start < 10
     client.close()
+
+
+@pytest.mark.slow
+def test_a_started_server_ends_with_a_trainer_killed_without_cleanup(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import os, signal\n"
+        "from gspo_lightning.rollout.remote import ChildServer\n"
+        "from gspo_lightning.rollout.server import ServerSpec\n"
+        f"child = ChildServer(ServerSpec({MODEL!r}, prompt_length=8, response_length=6))\n"
+        "url = child.start(120)\n"
+        "print('STARTED', child.process.pid, url, child.folder.name, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no close()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    _, pid, url, folder = next(line for line in result.stdout.splitlines() if line.startswith("STARTED")).split()
+    shutil.rmtree(folder)  # what the killed trainer could not remove
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status")
+        gone = not status.exists() or "\nState:\tZ" in status.read_text()
+        if gone:
+            break
+        time.sleep(0.5)
+    else:
+        os.kill(int(pid), 9)
+        raise AssertionError("the server outlived the trainer that started it")
+    with pytest.raises(Exception):
+        request_json(url, "/health", timeout=2)
 
 
 @pytest.mark.slow
@@ -295,30 +411,26 @@ def test_fit_writes_a_checkpoint_when_the_server_dies_and_resume_continues(tmp_p
 
 
 # -- a 2-rank trainer feeding one server -----------------------------------------------------------------
-def launch(out_dir: Path, strategy: str, engine: str) -> dict:
+def launch(out_dir: Path, strategy: str) -> tuple[dict, dict]:
+    """The colocated run and the server run, one after the other in one torchrun launch."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests/distributed/server_worker.py"), "--strategy", strategy, "--engine", engine, "--out_dir", str(out_dir)]
+           str(ROOT / "tests/distributed/server_worker.py"), "--strategy", strategy, "--out_dir", str(out_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return torch.load(out_dir / f"{engine}.pt")
-
-
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("colocated"), "ddp", "colocated")
+    return torch.load(out_dir / "colocated.pt"), torch.load(out_dir / "server.pt")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_feeding_one_server_equal_the_colocated_run(tmp_path, colocated, strategy):
-    served = launch(tmp_path, strategy, "server")
+def test_two_ranks_feeding_one_server_equal_the_colocated_run(tmp_path, strategy):
+    colocated, served = launch(tmp_path, strategy)
     assert served["world"] == 2
     # the server holds exactly the trainer's full weights after a push (checksum of what it holds)
     assert served["server_checksum"] == served["trainer_checksum"] and served["server_version"] >= 3
     # same seeds, same samples, same updates
     assert served["rewards"] == colocated["rewards"] and len(served["rewards"]) == 3
     for name, value in colocated["state"].items():
-        torch.testing.assert_close(served["state"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+        assert torch.equal(served["state"][name], value), f"{name}: max diff {(served['state'][name] - value).abs().max()}"

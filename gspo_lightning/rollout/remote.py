@@ -46,7 +46,7 @@ import torch
 
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
-from gspo_lightning.rollout.server import ServerSpec, model_fingerprint
+from gspo_lightning.rollout.server import DEFAULT_ENGINE, ServerSpec, model_fingerprint
 from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
 from gspo_lightning.rollout.weight_sync import engine_name
 
@@ -104,7 +104,7 @@ class RemoteEngine(RolloutEngine):
         transport: how weights reach the servers (default :class:`FolderTransport` in
             ``/dev/shm``: same machine; across nodes give it a shared ``path``).
         timeout_s: longest wait for one generation or weight load.
-        reconnect_s: how long a lost server is waited for (backoff 0.5 s doubling to 8 s)
+        reconnect_s: how long a lost server is waited for (backoff 0.5 s doubling to 4 s)
             before the run stops with a checkpoint.
         start_timeout_s: how long a started server may take to load (vLLM: ~30 s).
         server_threads: CPU threads of a started server (its ``OMP_NUM_THREADS``, pinned to
@@ -156,8 +156,9 @@ class RemoteEngine(RolloutEngine):
         self.identity: dict[str, Any] = {}
         self.server_ids: dict[str, str] = {}
         self.pushed: Optional[Manifest] = None  # the last push: re-sent to a restarted server
-        self.checksum: Optional[str] = None  # of the weights of weights_version
+        self.checksums: dict[int, str] = {}  # recent versions pushed -> checksum of their weights
         self._recovering = threading.Lock()
+        self.last_load_seconds = 0.0
 
     # -- start ---------------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> None:
@@ -178,7 +179,7 @@ class RemoteEngine(RolloutEngine):
                     self.child = ChildServer(self._server_spec(spec), threads=self.server_threads,
                                              python=self.server_python, lease_s=self.lease_s)
                     urls = [self.child.start(self.start_timeout_s)]
-            except (RolloutServerError, ValueError) as error:
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
                 failure = str(error)
         # one token for the trainer's ranks; the started server's URL for all of them
         urls, token, failure = self._share((urls, uuid.uuid4().hex, failure))
@@ -197,7 +198,7 @@ class RemoteEngine(RolloutEngine):
         return ServerSpec(
             model_name_or_path=spec.model_name_or_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code,
             prompt_length=spec.prompt_length, response_length=spec.response_length, seed=spec.seed,
-            engine=self.server_engine or ServerSpec.__dataclass_fields__["engine"].default_factory(),
+            engine=self.server_engine or dict(DEFAULT_ENGINE),
         )
 
     def _share(self, value):
@@ -238,15 +239,16 @@ class RemoteEngine(RolloutEngine):
             try:
                 manifest, _ = self.transport.push(weights, version, lambda m: self._post_weights(m, version))
                 self.transport.sent(manifest)
-            except RolloutServerError as error:
-                failure = str(error)
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
+                failure = error if isinstance(error, RolloutServerError) else f"{type(error).__name__}: {error}"
         else:
             for _ in weights:  # sharded gathers are collectives: every rank walks the whole iterator
                 pass
-        manifest, failure = self._share((manifest, failure))
+        manifest, failure = self._share((manifest, str(failure) if failure else None))
         if failure:
-            raise RolloutServerError(failure)
-        self.pushed, self.checksum = {"version": version, "manifest": manifest}, manifest["checksum"]
+            raise RolloutServerError(f"weights push failed: {failure}")
+        self.pushed = {"version": version, "manifest": manifest}
+        self.checksums = {**{v: c for v, c in self.checksums.items() if v >= version - 8}, version: manifest["checksum"]}
         self.weights_version = version
         return {"bytes": float(manifest["bytes"]), "tensors": float(manifest["tensors"]),
                 "seconds": time.perf_counter() - start}
@@ -258,6 +260,7 @@ class RemoteEngine(RolloutEngine):
                 u, "/weights", {"token": self.token, "version": version, "manifest": manifest}, self.timeout_s))
             self._check_loaded(url, reply, version, manifest["checksum"])
             replies.append(reply)
+        self.last_load_seconds = max(reply["seconds"] for reply in replies)  # the servers' side of the push
         return replies
 
     @staticmethod
@@ -274,26 +277,32 @@ class RemoteEngine(RolloutEngine):
             raise RuntimeError("RemoteEngine.generate before start()")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
-        version, checksum = self.weights_version, self.checksum
+        version = self.weights_version
         chunks = split_evenly(len(prompt_ids), len(self.urls))
         jobs = [(url, prompt_ids[a:b], chunk_seed(seed, k)) for k, (url, (a, b)) in enumerate(zip(self.urls, chunks)) if b > a]
         if len(jobs) == 1:
-            replies = [self._generate_on(*jobs[0], n, params, version, checksum)]
+            replies = [self._generate_on(*jobs[0], n, params, version)]
         else:
             with ThreadPoolExecutor(len(jobs)) as pool:
-                replies = list(pool.map(lambda job: self._generate_on(*job, n, params, version, checksum), jobs))
+                replies = list(pool.map(lambda job: self._generate_on(*job, n, params, version), jobs))
         return replies_to_generation(replies, self.pad_token_id)
 
     def _generate_on(self, url: str, prompts: list[list[int]], seed: int, n: int, params: SamplingParams,
-                     version: int, checksum: Optional[str]) -> dict:
+                     version: int) -> dict:
+        """One server's share, sampled with ``version`` or a newer one (pushed meanwhile, when
+        ``generate`` runs beside training); the reply's version and checksum are checked."""
         body = {"token": self.token, "prompt_ids": prompts, "n": n, "params": asdict(params), "seed": seed,
                 "version": None if version < 0 else version}
         reply = self._with_recovery(url, lambda: request_json(url, "/generate", body, self.timeout_s))
-        if version >= 0 and (reply["version"] != version or reply["checksum"] != checksum):
+        if version < 0:
+            return reply
+        # a version this rank has not heard of yet is newer than its last push: rank 0 just pushed it
+        expected = self.checksums.get(reply["version"], reply["checksum"])
+        if reply["version"] < version or reply["checksum"] != expected:
             raise RolloutServerError(
                 f"rollout refused: the server at {url} generated with version {reply['version']} "
                 f"(checksum {str(reply['checksum'])[:12]}), the trainer pushed version {version} "
-                f"(checksum {str(checksum)[:12]}): another process changed its weights")
+                f"(checksum {str(self.checksums.get(version))[:12]}): another process changed its weights")
         return reply
 
     # -- faults --------------------------------------------------------------------------
@@ -313,7 +322,7 @@ class RemoteEngine(RolloutEngine):
                 raise RolloutServerError(f"the rollout server at {url} is {problem}, and did not recover within "
                                          f"{self.reconnect_s:.0f} s (model.engine.init_args.reconnect_s)")
             time.sleep(delay)
-            delay = min(2 * delay, 8.0)
+            delay = min(2 * delay, 4.0)
             try:
                 self._recover(url)
             except _Unreachable:

@@ -19,7 +19,7 @@ process, when the client engine is given no URL. The API (every body is JSON):
                          manifest of a ``transport.WeightTransport``); replies ``version``,
                          ``checksum`` of the weights now held, ``seconds``, ``tensors``, ``bytes``
 ``POST /generate``       ``{"token", "prompt_ids", "n", "params", "seed", "version"}``: waits
-                         up to ``version_wait_s`` for ``version`` to be loaded (409 if it is not),
+                         up to ``version_wait_s`` for ``version`` or a newer one (409 if none),
                          replies ``completion_ids`` and ``logprobs`` (one list per response,
                          unpadded), ``truncated``, ``version``, ``checksum``
 =======================  =================================================================
@@ -78,16 +78,19 @@ class VersionError(RuntimeError):
     """The server does not serve the version a request asked for."""
 
 
-# config entries that differ between a trainer's and a server's copy of one model
-_CONFIG_NOISE = {"name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "output_hidden_states"}
+# config entries that decide what a model computes, named alike across transformers versions
+# (a trainer and a server may run different ones: the vLLM environment pins its own)
+IDENTITY_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "tie_word_embeddings",
+                 "num_experts", "num_local_experts", "num_experts_per_tok")
 
 
 def fingerprint(named_shapes, config: Optional[dict] = None) -> str:
-    """The model's identity: its parameter names and shapes, and its config (heads, rotary
-    settings...: two models can share every shape and still compute differently)."""
+    """The model's identity: its parameter names and shapes, and the config entries that
+    shapes do not show (two models can share every shape and split heads differently)."""
     text = "\n".join(f"{name}:{tuple(shape)}" for name, shape in sorted(named_shapes))
     if config:
-        kept = {k: v for k, v in config.items() if k not in _CONFIG_NOISE and not k.startswith("_")}
+        kept = {k: config[k] for k in IDENTITY_KEYS if config.get(k) is not None}
         text += "\n" + json.dumps(kept, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -251,10 +254,11 @@ class RolloutServer:
         sampling = SamplingParams(**params)
         deadline = time.monotonic() + self.version_wait_s
         with self.condition:
-            while version is not None and self.version != version and time.monotonic() < deadline:
+            # a newer version is fine (a trainer that pushed while this request was on its way)
+            while version is not None and self.version < version and time.monotonic() < deadline:
                 self.condition.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            if version is not None and self.version != version:
-                raise VersionError(f"the server serves weights version {self.version}, the request asks for {version}")
+            if version is not None and self.version < version:
+                raise VersionError(f"the server serves weights version {self.version}, the request asks for {version} or newer")
             self.engine.wake()
             try:
                 generation = self.engine.generate(prompt_ids, n, sampling, seed)
