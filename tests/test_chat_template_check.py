@@ -14,7 +14,7 @@ INSTRUCT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(data_module, "_WARNED", set())
+    monkeypatch.setattr(data_module, "_WARNED", set(), raising=False)
 
 
 def setup_data(tokenizer, name, **kwargs):
