@@ -133,11 +133,12 @@ def converted_folder(path: Path, root: Optional[Path] = None) -> Path:
     two ranks converting at once, or a conversion killed half-way, never leave a partial
     folder under the final name.
     """
-    architecture = check_gguf_file(path)
+    check_magic(path)
     root = root or cache_root()
     target = root / f"{path.stem}-{content_hash(path)[:16]}-v{CONVERTER_VERSION}"
     if (target / "config.json").is_file():
         return target
+    architecture = check_gguf_file(path)  # parses the metadata: only when converting
     root.mkdir(parents=True, exist_ok=True)
     log.warning("converting %s to a Hugging Face folder (once): %s", path, target)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
@@ -153,14 +154,18 @@ def converted_folder(path: Path, root: Optional[Path] = None) -> Path:
     return target
 
 
-def check_gguf_file(path: Path) -> str:
-    """Fail in one line for a file that is not a readable GGUF, or when ``gguf`` is missing.
-    Returns the file's architecture (``general.architecture``)."""
+def check_magic(path: Path) -> None:
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic != GGUF_MAGIC:
         raise ModelSourceError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): the file is "
                                f"damaged or of another format; download it again")
+
+
+def check_gguf_file(path: Path) -> str:
+    """Fail in one line for a file that is not a readable GGUF, or when ``gguf`` is missing.
+    Returns the file's architecture (``general.architecture``)."""
+    check_magic(path)
     if importlib.util.find_spec("gguf") is None:
         raise ModelSourceError(f"reading the GGUF file {path} needs the gguf package: pip install gguf accelerate "
                                f"(or pip install 'gspo-lightning[gguf]')")
