@@ -32,7 +32,8 @@ START_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.")
 
 class GSPOCLI(LightningCLI):
     """LightningCLI over GSPOModule and PromptDataModule, with CSV + TensorBoard logging and
-    a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 steps by default)."""
+    a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 rollout steps by default,
+    and at the end of fit: see ``preemption.py``)."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -47,6 +48,8 @@ class GSPOCLI(LightningCLI):
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 50,
             "checkpoint.save_top_k": 0,
+            # a resumed run overwrites the last.ckpt it resumed from, not last-v1.ckpt beside it
+            "checkpoint.enable_version_counter": False,
             "trainer.logger": [
                 # separate names: two loggers under one name pick different version folders
                 Namespace(class_path="gspo_lightning.loggers.CSVLogger", init_args=Namespace(save_dir="runs", name="csv")),

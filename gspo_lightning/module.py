@@ -29,11 +29,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
-from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm
+from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.evaluation import record_eval_rollout
 from gspo_lightning.loggers import logger_identity
 from gspo_lightning.logprobs import response_logprobs
+from gspo_lightning.loss_scaling import LossScaling
 from gspo_lightning.metrics import StepMetrics, record_rollout
 from gspo_lightning.gguf_models import resolve_model
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
@@ -414,10 +415,8 @@ class GSPOModule(L.LightningModule):
             add_token_level_kl=hp.add_token_level_kl,
             old_logprobs=old if old is not None else rollout.engine_logprobs, ref_logprobs=ref,
             kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
-            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum,
+            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum, scored=rollout.scored,
         )
-        if rollout.scored is not None:  # a response no reward function scored teaches nothing
-            advantages = advantages.masked_fill(~rollout.scored[:, None], 0.0)
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
@@ -434,12 +433,16 @@ class GSPOModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sync = self.grad_sync
+        scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
+
+        def uncounted_step() -> None:  # an optimizer step that leaves trainer.global_step alone
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
 
         def step(count: bool) -> None:
             if count:  # through Lightning's wrapper: advances trainer.global_step once per rollout
                 optimizer.step()
             else:
-                self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+                uncounted_step()
             if scheduler is not None:
                 scheduler.step()
 
@@ -447,9 +450,10 @@ class GSPOModule(L.LightningModule):
             backward=lambda loss: self.manual_backward(loss * sync.loss_scale),
             zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
             reduce_gradients=lambda finite: sync.reduce(self.policy.parameters(), finite, self.device),
-            clip_gradients=lambda: clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
+            clip_gradients=lambda: scaling.clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
             step=step,
             all_reduce_sum=all_reduce_sum,
+            skip_overflow=lambda: scaling.skip_overflow(uncounted_step),
         )
 
     def _log_step(self, batch, rollout: Rollout, advantages: Tensor, time_logprobs: float, time_train: float, elapsed: float) -> None:

@@ -76,6 +76,9 @@ class UpdateOps:
     advances the trainer's step counter (one per rollout). ``reduce_gradients(finite)``
     sums gradients over ranks where the strategy does not, and returns whether every rank
     was finite. ``all_reduce_sum`` sums a tensor over ranks (identity on one process).
+    ``clip_gradients()`` returns the gradient norm in unscaled units. ``skip_overflow()``,
+    under a loss scaler (fp16), hands a step whose gradients overflowed to the scaler, which
+    skips it and lowers its scale; it returns the new scale (``None``: no loss scaler).
     """
 
     backward: Callable[[Tensor], None]
@@ -84,6 +87,7 @@ class UpdateOps:
     clip_gradients: Callable[[], Tensor]
     step: Callable[[bool], None]
     all_reduce_sum: Callable[[Tensor], Tensor]
+    skip_overflow: Callable[[], Optional[float]] = lambda: None
 
 
 def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini_batches: Optional[int],
@@ -206,7 +210,7 @@ class PolicyUpdater:
                     # summed over ranks: each rank's loss already divides by the global counts
                     self.metrics.update("loss/policy", ops.all_reduce_sum(torch.tensor(step_loss, device=device)))
                 else:
-                    self._skip(ops)
+                    self._skip(ops, gradient_overflow=finite)
         return steps_taken
 
     # -- pieces --------------------------------------------------------------------------
@@ -278,9 +282,16 @@ class PolicyUpdater:
         if seq_log_ratio.numel():
             self.metrics.update("engine/seq_log_ratio_abs_max", seq_log_ratio.abs().max(), kind="max")
 
-    def _skip(self, ops: UpdateOps) -> None:
+    def _skip(self, ops: UpdateOps, gradient_overflow: bool) -> None:
+        # a finite loss with an overflowing gradient under a loss scaler (fp16): the scaler's
+        # signal to lower its scale, not a failure, while the scale is >= 1 (below, the
+        # gradients overflow unscaled)
+        scale = ops.skip_overflow() if gradient_overflow else None
         ops.zero_grad()
         self.skipped_updates += 1
+        if scale is not None and scale >= 1:
+            log.info("the loss scaler skipped an overflowing step and lowered its scale to %g", scale)
+            return
         self.consecutive_nonfinite += 1
         log.warning("skipped an update with a non-finite loss or gradient (%d in a row)", self.consecutive_nonfinite)
         if self.consecutive_nonfinite >= self.settings.max_consecutive_nonfinite:
