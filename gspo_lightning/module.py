@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
@@ -262,12 +263,14 @@ class GSPOModule(L.LightningModule):
     def configure_callbacks(self):
         from gspo_lightning.plotting import TrainingCurves
         from gspo_lightning.preemption import PreemptionCheckpoint
-        from gspo_lightning.progress import StepProgressBar
+        from gspo_lightning.progress import step_progress_bar
+        from gspo_lightning.summary import run_summary
 
-        callbacks = [TrainingCurves(), PreemptionCheckpoint()]
-        if self.trainer.progress_bar_callback is not None:  # replaces Lightning's bar, not a disabled one
-            callbacks.append(StepProgressBar())
-        return callbacks
+        trainer = self.trainer
+        summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+        # replace Lightning's bar and table (epochs, FLOPs) by ours, of the same kind; a disabled one stays off
+        extra = [step_progress_bar(trainer.progress_bar_callback), run_summary(summaries[0] if summaries else None)]
+        return [TrainingCurves(), PreemptionCheckpoint(), *(c for c in extra if c is not None)]
 
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size)

@@ -158,7 +158,10 @@ def render() -> str:
     }
     for key, value in TRAINER_DEFAULTS.items():
         parts.append(f"| `{key}` | {format_default(value)} | {why[key]} |")
-    parts += ["| `logger` | CSVLogger + TensorBoardLogger under `runs/` | metrics in standard formats |", "",
+    parts += ["| `logger` | CSVLogger + TensorBoardLogger under `default_root_dir` | metrics in standard formats |", "",
+              "`default_root_dir` is the run folder (`runs` when unset): a logger without a `save_dir` writes there",
+              "(`<default_root_dir>/csv/version_N/`, `<default_root_dir>/tensorboard/version_N/`) and checkpoints go",
+              "to the first logger's `version_N/checkpoints/`, so `--trainer.default_root_dir=DIR` moves them all.", "",
               "`val_check_interval` counts rollout batches (training batches), `max_steps` counts optimizer steps.", "",
               "## `checkpoint:` (lightning.pytorch.callbacks.ModelCheckpoint)", "",
               "Every `ModelCheckpoint` argument is a key. `gspo` sets `save_last: true`, `every_n_train_steps: 50`",
