@@ -103,6 +103,15 @@ class GSPOModule(L.LightningModule):
         logprob_chunk_size: response tokens projected to the vocabulary at once (``null``:
             the naive full-logits path).
         max_consecutive_nonfinite: stop after this many skipped (non-finite) updates in a row.
+        dynamic_sampling: DAPO's dynamic sampling: generate more rounds of prompts until the step
+            holds ``rollout_batch_size`` groups whose rewards differ (``rollout/dynamic_sampling.py``).
+        max_sampling_rounds: extra generation rounds per step at most; when they run out the
+            step is filled up with zero-variance groups.
+        overlong_filtering: truncated responses (no end before ``response_length``) leave the
+            loss and its denominators (DAPO).
+        skip_zero_advantage: skip the forward and backward of responses with zero advantage
+            when no KL loss or MoE load-balancing loss needs them: the same loss and gradient,
+            less work. Per-update metrics (entropy, clip fractions) then cover the rows trained.
         routing_replay: Mixture-of-Experts only: record the experts each token used in the
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models). MoE policies always log how much routing changed since the old pass.
@@ -162,6 +171,10 @@ class GSPOModule(L.LightningModule):
         old_logprobs: OldLogprobs = "recompute",
         logprob_chunk_size: Optional[int] = 512,
         max_consecutive_nonfinite: int = 3,
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 3,
+        overlong_filtering: bool = False,
+        skip_zero_advantage: bool = True,
         routing_replay: bool = False,
         router_aux_loss_coef: float = 0.0,
         export_on_fit_end: bool = True,
@@ -312,6 +325,7 @@ class GSPOModule(L.LightningModule):
             ppo_epochs=hp.ppo_epochs, mini_batch_size=mini, micro_batch_size=micro, world_size=world,
             router_aux_loss_coef=hp.router_aux_loss_coef, routing_replay=hp.routing_replay,
             max_consecutive_nonfinite=hp.max_consecutive_nonfinite,
+            overlong_filtering=hp.overlong_filtering, skip_zero_advantage=hp.skip_zero_advantage,
         )
         state = self.updater.state_dict() if self.updater is not None else self._updater_state
         self.updater = PolicyUpdater(settings, self.step_metrics, self.metric_hooks)
@@ -348,6 +362,21 @@ class GSPOModule(L.LightningModule):
         rollout.timings.update(sync)
         return rollout
 
+    def _train_rollout(self, batch: dict, seed: int) -> tuple[Rollout, dict[str, float]]:
+        """The step's rollout; with dynamic sampling, refilled with groups whose rewards differ."""
+        if not self.hparams.dynamic_sampling:
+            return self._rollout(batch, seed, evaluation=False), {}
+        from gspo_lightning.rollout.dynamic_sampling import DynamicSampler
+
+        more_prompts = getattr(self.trainer.datamodule, "extra_batch", None)
+        if more_prompts is None or self.sharded:
+            raise ValueError("model.dynamic_sampling needs the PromptDataModule (its extra prompt stream) and an "
+                             "unsharded policy (ranks generate different numbers of rounds): turn it off or use data: "
+                             "PromptDataModule without FSDP")
+        return DynamicSampler(self.hparams.max_sampling_rounds).fill(
+            batch, lambda prompts, round_seed: self._rollout(prompts, round_seed, evaluation=False), more_prompts,
+            seed=seed, pad_token_id=self.tokenizer.pad_token_id)
+
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
         hp = self.hparams
         return response_logprobs(
@@ -383,7 +412,7 @@ class GSPOModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         hp = self.hparams
         step_start = time.perf_counter()
-        rollout = self._rollout(batch, self.sampling_seed(self.rollout_steps), evaluation=False)
+        rollout, sampling_metrics = self._train_rollout(batch, self.sampling_seed(self.rollout_steps))
         if rollout.policy_version != self.policy_version:
             raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {self.policy_version}")
         if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
@@ -425,6 +454,8 @@ class GSPOModule(L.LightningModule):
         self.rollout_steps += 1
         self._trained_this_fit = True
         self._log_step(batch, rollout, advantages, time_logprobs, time_train, time.perf_counter() - step_start)
+        for name, value in sampling_metrics.items():
+            self.log(name, value, on_step=True, on_epoch=False, batch_size=rollout.num_responses)
 
     def _update_ops(self) -> UpdateOps:
         optimizer = self.optimizers()
