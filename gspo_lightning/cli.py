@@ -60,7 +60,7 @@ class GSPOCLI(LightningCLI):
         })
         # one value, stated once: the data module tokenizes with the model's tokenizer, and
         # the module checks its batch sizes against the data module's
-        parser.link_arguments("model.model_name_or_path", "data.tokenizer")
+        parser.link_arguments(("model.model_name_or_path", "model.gguf_file"), "data.tokenizer", compute_fn=tokenizer_source)
         parser.link_arguments("data.prompt_length", "model.prompt_length")
         parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
 
@@ -124,6 +124,11 @@ def run_folder_loggers(loggers, default_root_dir: Optional[str]) -> None:
         args = getattr(entry, "init_args", None)
         if isinstance(entry, Namespace) and args is not None and "save_dir" in args and args.get("save_dir") is None:
             args["save_dir"] = str(default_root_dir or DEFAULT_SAVE_DIR)
+
+
+def tokenizer_source(model_name_or_path: str, gguf_file: Optional[str] = None) -> str:
+    """The data module's tokenizer: the model's, a GGUF file named as one path."""
+    return model_name_or_path if gguf_file is None else str(Path(model_name_or_path) / gguf_file)
 
 
 def continue_log_versions(loggers, ckpt_path: str) -> None:

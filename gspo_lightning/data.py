@@ -247,7 +247,7 @@ class PromptDataModule(L.LightningDataModule):
         prompt = self.raw_prompt(row)
         if isinstance(prompt, list):
             return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        if hp.use_chat_template:
+        if hp.use_chat_template and has_chat_template(tokenizer):  # without one: plain text, warned in _prepare
             messages = [{"role": "user", "content": prompt}]
             if hp.system_prompt:
                 messages.insert(0, {"role": "system", "content": hp.system_prompt})
@@ -257,6 +257,8 @@ class PromptDataModule(L.LightningDataModule):
     def _prepare(self, rows: list[dict], source: str) -> tuple[list[dict], dict[str, int]]:
         hp = self.hparams
         tokenizer = self._get_tokenizer()
+        if hp.messages_field is None and rows and not isinstance(rows[0].get(hp.prompt_field), list):
+            warn_chat_template_mismatch(tokenizer, hp.use_chat_template, hp.tokenizer)  # text prompts only
         kept, counts = [], {"truncated": 0, "dropped": 0, "bad": 0}
         for index, row in enumerate(rows):
             try:
@@ -401,6 +403,35 @@ class PromptDataModule(L.LightningDataModule):
         self.start_batch = self.batches_consumed = int(state_dict.get("batches_consumed", 0))
         self.extra_batches_consumed = int(state_dict.get("extra_batches_consumed", 0))
         self._extra_batches = None  # restarts at the restored position
+
+
+_WARNED: set[tuple[str, bool]] = set()
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def warn_chat_template_mismatch(tokenizer, use_chat_template: bool, name: Optional[str]) -> None:
+    """Warn once when prompts are rendered unlike the model was tuned: an instruct model's chat
+    template left unused, or ``use_chat_template`` asked of a tokenizer that has none."""
+    from gspo_lightning.tasks.tiny import CHAT_TEMPLATE as TINY_TEMPLATE
+
+    has_template = has_chat_template(tokenizer)
+    if has_template == use_chat_template or tokenizer.chat_template == TINY_TEMPLATE:
+        return  # the tiny builtin models carry a template for tests of the chat path, not from tuning
+    model = name or getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    key = (str(model), use_chat_template)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    if has_template:
+        log.warning("the tokenizer of %s has a chat template (an instruct or chat model), but data.use_chat_template is "
+                    "false: prompts go in as raw text, which such a model answers worse; set data.use_chat_template: true",
+                    model)
+    else:
+        log.warning("data.use_chat_template is true, but the tokenizer of %s has no chat template: prompts go in as "
+                    "plain text; set data.use_chat_template: false, or use a tokenizer with a chat_template", model)
 
 
 def _messages(value: Any, column: str) -> list[dict]:

@@ -56,6 +56,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
 
     The checkpoint is read with ``weights_only=True``: no pickled code runs.
     """
+    from gspo_lightning.gguf_models import resolve_model
     from gspo_lightning.models import load_policy, load_tokenizer
 
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
@@ -63,6 +64,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     name = hparams.get("model_name_or_path")
     if name is None:
         raise ValueError(f"{ckpt_path} has no model_name_or_path hyperparameter: is it a GSPOModule checkpoint?")
+    name = resolve_model(name, hparams.get("gguf_file"))  # a GGUF source: its converted folder
     tokenizer = load_tokenizer(name, hparams.get("trust_remote_code", False))
     policy = load_policy(name, tokenizer, hparams.get("dtype", "float32"), None, hparams.get("trust_remote_code", False))
     prefix = "policy."

@@ -1,4 +1,4 @@
-"""Loading the policy and its tokenizer: a hub id, a local folder, or ``builtin:<name>``."""
+"""Loading the policy and its tokenizer: a hub id, a local folder, a GGUF file, or ``builtin:<name>``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from gspo_lightning.gguf_models import resolve_model
 from gspo_lightning.tasks.tiny import build_tiny_model, build_tokenizer, get_spec, is_builtin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,7 +26,8 @@ def check_model_source(name_or_path: str) -> None:
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise FileNotFoundError(f"model path {name_or_path!r} is a file: point at the folder that holds config.json")
+            raise FileNotFoundError(f"model path {name_or_path!r} is a file: point at the folder that holds config.json "
+                                    f"(or at a .gguf file)")
         return
     looks_local = name_or_path.startswith((".", "/", "~", "\\")) or not HUB_ID.match(name_or_path) or ".." in name_or_path
     if looks_local:
@@ -49,6 +51,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    name_or_path = resolve_model(name_or_path)  # a GGUF source: its converted folder
     check_model_source(name_or_path)
     if is_builtin(name_or_path):
         tokenizer = build_tokenizer(get_spec(name_or_path))
@@ -83,6 +86,7 @@ def load_policy(
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    name_or_path = resolve_model(name_or_path)  # a GGUF source: its converted folder
     if is_builtin(name_or_path):
         return build_tiny_model(name_or_path, tokenizer, DTYPES[dtype])
     check_model_source(name_or_path)

@@ -36,6 +36,7 @@ from gspo_lightning.evaluation import record_eval_rollout
 from gspo_lightning.loggers import logger_identity
 from gspo_lightning.logprobs import response_logprobs
 from gspo_lightning.metrics import StepMetrics, record_rollout
+from gspo_lightning.gguf_models import resolve_model
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.options import (
     AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, RewardNorm,
@@ -53,11 +54,14 @@ class GSPOModule(L.LightningModule):
     """GSPO (and GRPO-family) training of a causal language model.
 
     Args:
-        model_name_or_path: hub id, local folder, or ``builtin:<name>`` (a tiny local model).
+        model_name_or_path: hub id, local folder, a ``.gguf`` file, or ``builtin:<name>`` (a tiny
+            local model, or ``builtin:smollm2-135m-instruct``); GGUF is converted once into a
+            cached folder (``gguf_models.py``).
         dtype: weight dtype: ``float32``, ``bfloat16`` or ``float16``.
         attn_implementation: passed to ``from_pretrained`` (``sdpa``, ``flash_attention_2``...).
         gradient_checkpointing: recompute decoder activations in backward to save memory.
         trust_remote_code: allow a hub model's own Python code (off unless you trust it).
+        gguf_file: the GGUF file inside the folder ``model_name_or_path`` (transformers' ``gguf_file``).
         rewards: the reward functions (import path, weight, kwargs, name).
         on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
         engine: the generation engine, by ``class_path`` (default: ``HFEngine``, the policy
@@ -134,6 +138,7 @@ class GSPOModule(L.LightningModule):
         attn_implementation: Optional[str] = None,
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
+        gguf_file: Optional[str] = None,
         rewards: Optional[list[RewardSpec]] = None,
         on_reward_error: OnRewardError = "raise",
         engine: Optional[RolloutEngine] = None,
@@ -196,7 +201,9 @@ class GSPOModule(L.LightningModule):
         self.clip_low, self.clip_high = clip_range(importance_sampling, clip_low, clip_high)
         self.automatic_optimization = False
 
-        self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code)
+        # the folder every loader reads: a GGUF source's converted copy, else the name itself
+        self.model_source = resolve_model(model_name_or_path, gguf_file)
+        self.tokenizer = load_tokenizer(self.model_source, trust_remote_code)
         composer = RewardComposer(self.hparams["rewards"], on_error=on_reward_error) if rewards else None
         greedy = val_temperature == 0
         self.worker = RolloutWorker(
@@ -230,7 +237,7 @@ class GSPOModule(L.LightningModule):
         if self.policy is not None:
             return
         hp = self.hparams
-        policy = load_policy(hp.model_name_or_path, self.tokenizer, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
+        policy = load_policy(self.model_source, self.tokenizer, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
         # from_pretrained returns eval mode, and neither Lightning nor transformers switch back:
         # gradient checkpointing and dropout act only in train mode
         self.policy = policy.train()
@@ -301,7 +308,7 @@ class GSPOModule(L.LightningModule):
         hp = self.hparams
         trainer = self.trainer
         self.worker.start(EngineSpec(
-            model_name_or_path=hp.model_name_or_path, dtype=hp.dtype, prompt_length=hp.prompt_length,
+            model_name_or_path=self.model_source, dtype=hp.dtype, prompt_length=hp.prompt_length,
             response_length=hp.response_length, seed=self.sampling_seed(0), trust_remote_code=hp.trust_remote_code,
             eos_token_ids=eos_token_ids(self.policy, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id,
             rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size,

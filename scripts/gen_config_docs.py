@@ -29,7 +29,7 @@ Keys that carry the same name as in ROLL's GSPO configs keep ROLL's meaning:
 `reward_norm`, `reward_shift`, `reward_scale`, `add_token_level_kl`.
 
 Three keys are set from another one, so a value is stated once: `data.tokenizer` is
-`model.model_name_or_path`, and `model.prompt_length` / `model.rollout_batch_size` are
+`model.model_name_or_path` (joined with `model.gguf_file` when that is set), and `model.prompt_length` / `model.rollout_batch_size` are
 `data.prompt_length` / `data.rollout_batch_size` (set those; the linked keys are not accepted).
 
 A mistake in a config (a bad value, a missing model folder or data file, a failing reward

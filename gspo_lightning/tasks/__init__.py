@@ -1,10 +1,11 @@
 """Offline tasks and locally built tiny models, for the quickstart, tests and benchmarks."""
 
-from gspo_lightning.tasks import alternate, echo, pattern, successor
+from gspo_lightning.tasks import addition, alternate, echo, pattern, successor
 from gspo_lightning.tasks.tiny import BUILTIN_PREFIX, TINY_MODELS, build_tiny, is_builtin, save_tiny
 
 # builtin:<name> data sources: name -> function(num_rows, seed) -> rows
 BUILTIN_DATASETS = {"echo": echo.make_rows, "successor": successor.make_rows, "alternate": alternate.make_rows,
-                    "pattern": pattern.make_rows, "pattern-heldout": pattern.make_heldout_rows}
+                    "pattern": pattern.make_rows, "pattern-heldout": pattern.make_heldout_rows,
+                    "addition": addition.make_rows, "addition-heldout": addition.make_heldout_rows}
 
 __all__ = ["BUILTIN_DATASETS", "BUILTIN_PREFIX", "TINY_MODELS", "build_tiny", "is_builtin", "save_tiny"]
