@@ -72,6 +72,7 @@ def gspo_config(cell: str, model_dir: Path, prompts: Path, out_dir: Path, length
             "clip_low": 3e-4, "clip_high": 4e-4,
             "loss_agg_mode": "seq-mean-token-mean",  # TRL loss_type="grpo"
             "num_mini_batches": 1, "ppo_epochs": 1,  # one optimizer step per rollout, as the TRL child
+            "micro_batch_size": PROMPTS_PER_STEP * GROUP,  # and one forward (the default caps it at 8192 tokens)
             "max_grad_norm": 1.0,
             "rollout_seed": seed,
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-6, "weight_decay": 0.0}},

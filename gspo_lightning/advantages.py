@@ -12,6 +12,10 @@
 Responses of one group (same prompt) are contiguous: rows ``g*G .. g*G+G-1``.
 Standard deviations are unbiased (Bessel), as in TRL and verl; a group or batch with a
 single value or identical values has std 0 and normalizes to 0, never NaN.
+
+A response no reward function scored (``scored`` False: every function returned ``None``)
+is left out of every statistic (group, batch, running, whitening) and gets advantage 0;
+a group with fewer than two scored responses has nothing to compare and teaches nothing.
 """
 
 from __future__ import annotations
@@ -61,14 +65,23 @@ def group_view(values: Tensor, group_size: int) -> Tensor:
     return values.view(-1, group_size)
 
 
-def group_mean_std(values: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """Per-response mean and unbiased std of its group (std 0 for groups of one)."""
+def group_count(scored: Optional[Tensor], group_size: int, num_responses: int) -> Tensor:
+    """Per-response number of scored responses in its group (``scored`` None: ``group_size``)."""
+    if scored is None:
+        return torch.full((num_responses,), float(group_size))
+    return group_view(scored.float(), group_size).sum(-1, keepdim=True).expand(-1, group_size).reshape(-1)
+
+
+def group_mean_std(values: Tensor, group_size: int, scored: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Per-response mean and unbiased std of the scored responses of its group (``scored``
+    None: all); std 0 where the group has fewer than two."""
     grouped = group_view(values, group_size)
-    mean = grouped.mean(-1, keepdim=True)
-    if group_size > 1:
-        std = grouped.std(-1, keepdim=True)
-    else:
-        std = torch.zeros_like(mean)
+    weights = torch.ones_like(grouped) if scored is None else group_view(scored, group_size).to(grouped.dtype)
+    grouped = torch.where(weights > 0, grouped, torch.zeros_like(grouped))
+    count = weights.sum(-1, keepdim=True)
+    mean = (grouped * weights).sum(-1, keepdim=True) / count.clamp(min=1)
+    sq_dev = ((grouped - mean).square() * weights).sum(-1, keepdim=True)
+    std = (sq_dev / (count - 1).clamp(min=1)).sqrt()  # 0 for one value: its deviation is 0
     return mean.expand_as(grouped).reshape(-1), std.expand_as(grouped).reshape(-1)
 
 
@@ -83,8 +96,8 @@ class RunningMoments:
         self.mean = 0.0
         self.m2 = 0.0  # sum of squared deviations from the mean
 
-    def update(self, values: Tensor, reduce_sum: SumReducer = _identity) -> None:
-        batch_mean, batch_std, batch_count = moments(values, reduce_sum=reduce_sum)
+    def update(self, values: Tensor, reduce_sum: SumReducer = _identity, mask: Optional[Tensor] = None) -> None:
+        batch_mean, batch_std, batch_count = moments(values, mask, reduce_sum=reduce_sum)
         n_b = float(batch_count)
         if n_b == 0:
             return
@@ -116,8 +129,10 @@ def normalize_rewards(
     running: Optional[RunningMoments] = None,
     eps: float = 1e-6,
     reduce_sum: SumReducer = _identity,
+    scored: Optional[Tensor] = None,
 ) -> Tensor:
-    """Step 2: ``(r - mean) / (std + eps)`` over the group, the batch or the running history.
+    """Step 2: ``(r - mean) / (std + eps)`` over the group, the batch or the running history,
+    whose statistics take the ``scored`` responses only (``None``: all).
 
     ``reward_shift`` only subtracts the mean, ``reward_scale`` only divides by the std (both
     need a ``reward_norm``). ``running`` is updated with this batch before it is used.
@@ -130,14 +145,14 @@ def normalize_rewards(
             raise ValueError("reward_shift / reward_scale need a reward_norm (group, batch or running) to take statistics from")
         return rewards
     if reward_norm == "group":
-        mean, std = group_mean_std(rewards, group_size)
+        mean, std = group_mean_std(rewards, group_size, scored)
     elif reward_norm == "batch":
-        m, s, _ = moments(rewards, reduce_sum=reduce_sum)
+        m, s, _ = moments(rewards, scored, reduce_sum=reduce_sum)
         mean, std = m.to(rewards.dtype), s.to(rewards.dtype)
     else:
         if running is None:
             raise ValueError("reward_norm='running' needs a RunningMoments state")
-        running.update(rewards, reduce_sum=reduce_sum)
+        running.update(rewards, reduce_sum=reduce_sum, mask=scored)
         mean = torch.tensor(running.mean, dtype=rewards.dtype, device=rewards.device)
         std = torch.tensor(running.std, dtype=rewards.dtype, device=rewards.device)
     if reward_shift:
@@ -192,6 +207,7 @@ def compute_advantages(
     estimator: str = "grpo",
     *,
     eps: float = 1e-6,
+    scored: Optional[Tensor] = None,
 ) -> Tensor:
     """Step 5: ``(B, T)`` advantages from ``(B, T)`` token rewards.
 
@@ -200,8 +216,11 @@ def compute_advantages(
     - ``reinforce``: return-to-go (gamma = 1) of the token rewards.
     - ``rloo``: ``R_i`` minus the mean of the other ``G - 1`` responses of the group.
     - ``dr_grpo``: ``R_i - mean_group`` (no std division).
+
+    Group statistics take the ``scored`` responses only (``None``: all): ``G`` is then the
+    group's number of scored responses. Unscored responses get advantage 0.
     """
-    valid = mask.bool()
+    valid = mask.bool() if scored is None else mask.bool() & scored[:, None]
     token_rewards = torch.where(valid, token_rewards, torch.zeros_like(token_rewards))
     if estimator == "reinforce":
         returns = token_rewards.flip(-1).cumsum(-1).flip(-1)
@@ -210,11 +229,12 @@ def compute_advantages(
     if group_size < 2:
         raise ValueError(f"adv_estimator={estimator!r} compares responses within a group: it needs num_return_sequences_in_group >= 2")
     scores = token_rewards.sum(-1)
-    mean, std = group_mean_std(scores, group_size)
+    mean, std = group_mean_std(scores, group_size, scored)
     if estimator == "grpo":
         per_response = (scores - mean) / (std + eps)
-    elif estimator == "rloo":
-        per_response = (scores - mean) * group_size / (group_size - 1)
+    elif estimator == "rloo":  # with k scored responses: R_i minus the mean of the other k - 1
+        k = group_count(scored, group_size, len(scores)).to(scores)
+        per_response = (scores - mean) * k / (k - 1).clamp(min=1)  # k = 1: R_i - R_i = 0
     else:
         per_response = scores - mean
     return torch.where(valid, per_response[:, None].expand_as(token_rewards), torch.zeros_like(token_rewards))
@@ -247,15 +267,18 @@ def rewards_to_advantages(
     advantage_clip: Optional[float] = None,
     eps: float = 1e-6,
     reduce_sum: SumReducer = _identity,
+    scored: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Steps 2-7 in order. Returns ``(normalized scores (B,), advantages (B, T))``.
 
     ``reduce_sum`` sums statistics over data-parallel ranks for the batch-wide steps
     (batch / running normalization, whitening); group steps need whole groups on one rank.
+    ``scored`` (B,) is False for responses no reward function scored: they join no
+    statistic and get advantage 0 (``None``: every response was scored).
     """
     scores = normalize_rewards(
         scores, group_size, reward_norm, reward_shift=reward_shift, reward_scale=reward_scale,
-        running=running, eps=eps, reduce_sum=reduce_sum,
+        running=running, eps=eps, reduce_sum=reduce_sum, scored=scored,
     )
     scores = clip_rewards(scores, reward_clip)
     if add_token_level_kl and ref_logprobs is None:
@@ -264,7 +287,9 @@ def rewards_to_advantages(
         scores, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs if add_token_level_kl else None,
         kl_coef=kl_coef, kl_estimator=kl_estimator,
     )
-    advantages = compute_advantages(token_rewards, mask, group_size, adv_estimator, eps=eps)
+    if scored is not None:
+        mask = mask.bool() & scored[:, None]  # from here on an unscored response is no valid token
+    advantages = compute_advantages(token_rewards, mask, group_size, adv_estimator, eps=eps, scored=scored)
     if whiten_advantages:
         advantages = whiten(advantages, mask, eps=eps, reduce_sum=reduce_sum)
     advantages = clip_advantages(advantages, advantage_clip)

@@ -1,4 +1,5 @@
-"""The ``gspo`` command: ``gspo fit|validate|test --config cfg.yaml [--model.key=value ...]``.
+"""The ``gspo`` command: ``gspo fit|validate|test --config cfg.yaml [--model.key=value ...]``,
+and ``gspo serve --config cfg.yaml [--host H --port P]`` (a rollout server, ``rollout/server.py``).
 
 Every constructor argument of ``GSPOModule``, ``PromptDataModule`` and ``Trainer`` is a
 config key; an unknown key is an error naming it; ``--print_config`` shows the result.
@@ -36,7 +37,8 @@ START_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.")
 
 class GSPOCLI(LightningCLI):
     """LightningCLI over GSPOModule and PromptDataModule, with CSV + TensorBoard logging and
-    a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 steps by default)."""
+    a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 rollout steps by default,
+    and at the end of fit: see ``preemption.py``)."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -51,6 +53,8 @@ class GSPOCLI(LightningCLI):
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 50,
             "checkpoint.save_top_k": 0,
+            # a resumed run overwrites the last.ckpt it resumed from, not last-v1.ckpt beside it
+            "checkpoint.enable_version_counter": False,
             "trainer.logger": [
                 # separate names: two loggers under one name pick different version folders
                 # save_dir left out: the run folder, trainer.default_root_dir (run_folder_loggers)
@@ -174,10 +178,10 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix (config values, files, reward functions, a learning
     rate that blows up): they print as one message. Anything else keeps its traceback."""
     from gspo_lightning.data import DataError
-    from gspo_lightning.errors import NonFiniteError
+    from gspo_lightning.errors import NonFiniteError, RolloutServerError
     from gspo_lightning.rewards.base import RewardError
 
-    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError)
+    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError)
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -190,6 +194,11 @@ def main(args: Optional[list[str]] = None) -> None:
     from gspo_lightning.preemption import Preempted
 
     argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["serve"]:  # a rollout server, not a training run (rollout/server.py)
+        from gspo_lightning.rollout.server import main as serve
+
+        serve(argv[1:])
+        return
     debug = "--debug" in argv or os.environ.get("GSPO_DEBUG", "") not in ("", "0")
     if "--debug" in argv:
         argv = [a for a in argv if a != "--debug"]

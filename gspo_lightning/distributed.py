@@ -1,16 +1,19 @@
 """Summing over data-parallel ranks: loss statistics, gradients, stop decisions.
 
-A GSPO step runs many backwards inside one ``training_step``. DDP's reducer expects one
-backward per forward, so under DDP the gradients stay local and are summed here once per
-optimizer step. Sharded strategies (FSDP, FSDP2, DeepSpeed) reduce in backward
-themselves, *averaging* over ranks; our losses already divide by global counts, so the
-loss is scaled by the world size to turn their average into the sum we need.
+A GSPO step runs many backwards inside one ``training_step``, so DDP's reducer around the
+LightningModule (whose one forward is the whole step) cannot sync them. Under DDP the
+policy's log-prob forward gets a DDP wrapper of its own (:class:`PolicyForward`): every
+micro-batch but an optimizer step's last runs with ``require_backward_grad_sync`` off (what
+``no_sync`` does), and the last one's backward all-reduces the accumulated gradients bucket
+by bucket while backward is still running (it overlaps). DDP averages over ranks, and so do
+sharded strategies (FSDP, FSDP2, DeepSpeed); our losses already divide by global counts, so
+the loss is scaled by the world size to turn their average into the sum we need.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,16 +35,34 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
     return bool(all_reduce_sum(torch.tensor([0.0 if flag else 1.0], device=device)).item() == 0)
 
 
+class PolicyForward(nn.Module):
+    """``forward(*args) = fn(policy, *args)``: the policy's log-prob function as a module that
+    DDP can wrap (DDP prepares its reducer in its own forward)."""
+
+    def __init__(self, policy: nn.Module, fn: Callable):
+        super().__init__()
+        self.policy = policy
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(self.policy, *args)
+
+
 @dataclass(frozen=True)
 class GradientSync:
-    """``mode``: ``none`` (one process), ``manual`` (DDP: :meth:`reduce` sums), ``strategy``
-    (FSDP/FSDP2 reduce in backward) or ``deepspeed`` (the engine owns gradients and clipping)."""
+    """``mode``: ``none`` (one process), ``reducer`` (DDP: ``policy_forward``, a DDP-wrapped
+    :class:`PolicyForward`, syncs in the last micro-batch's backward), ``manual`` (:meth:`reduce`
+    sums after the last backward, in 64 MiB buckets; kept for callers without a forward),
+    ``strategy`` (FSDP/FSDP2 reduce in backward) or ``deepspeed`` (the engine owns gradients
+    and clipping)."""
 
     mode: str = "none"
     loss_scale: float = 1.0
+    policy_forward: Optional[nn.Module] = None
 
     @classmethod
-    def for_strategy(cls, strategy, world_size: int) -> "GradientSync":
+    def for_strategy(cls, strategy, world_size: int, policy: Optional[nn.Module] = None,
+                     logprobs: Optional[Callable] = None) -> "GradientSync":
         from lightning.pytorch.strategies import DDPStrategy
 
         deepspeed = type(strategy).__name__ == "DeepSpeedStrategy"
@@ -50,16 +71,30 @@ class GradientSync:
         if deepspeed:
             return cls("deepspeed", float(world_size))
         if isinstance(strategy, DDPStrategy):
-            strategy.model.require_backward_grad_sync = False  # we sum once per optimizer step
-            return cls("manual", 1.0)
+            strategy.model.require_backward_grad_sync = False  # Lightning's reducer: the step is one forward
+            if policy is None or logprobs is None:
+                return cls("manual", 1.0)
+            from torch.nn.parallel import DistributedDataParallel
+
+            # find_unused_parameters: an expert no token of this rank chose still joins the sum
+            # (the search runs once per optimizer step, in the synced forward only);
+            # gradient_as_bucket_view: gradients live in the reducer's buckets, not in a copy beside them
+            ddp = DistributedDataParallel(PolicyForward(policy, logprobs), find_unused_parameters=True,
+                                          broadcast_buffers=False, gradient_as_bucket_view=True)
+            return cls("reducer", float(world_size), ddp)
         return cls("strategy", float(world_size))
 
+    def sync_next_backward(self, last: bool) -> None:
+        """``reducer`` mode: the next forward's backward all-reduces only when it is an optimizer
+        step's last micro-batch (``no_sync`` for the others)."""
+        if self.policy_forward is not None:
+            self.policy_forward.require_backward_grad_sync = last
+
     def reduce(self, params: Iterable[nn.Parameter], finite: bool, device: torch.device) -> bool:
-        """Sum gradients over ranks (``manual`` mode) in flat buckets; whether every rank was finite."""
-        if self.mode != "manual":
+        """Sum gradients over ranks (``manual`` mode) in flat buckets, unless ``finite`` (already
+        agreed by every rank) is false; returns ``finite``."""
+        if self.mode != "manual" or not finite:
             return finite
-        if not all_ranks_true(finite, device):
-            return False
         params = [p for p in params if p.requires_grad]
         for p in params:  # a parameter unused on one rank (an idle expert) must still join the sum
             if p.grad is None:
@@ -79,6 +114,13 @@ class GradientSync:
         return True
 
 
+def deepspeed_grad_norm(engine) -> Optional[Tensor]:
+    """The global gradient norm the DeepSpeed engine measured in its last step (``None``
+    before one): DeepSpeed owns the gradients, so ``clip_grad_norm`` cannot measure it."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else torch.as_tensor(float(norm))
+
+
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None, sync: GradientSync, device) -> Tensor:
     """The total gradient norm, clipped to ``max_norm`` (``None``: measure only)."""
     if sync.mode == "deepspeed":
@@ -92,4 +134,4 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None, sync:
     return norm.detach()
 
 
-__all__ = ["GradientSync", "all_ranks_true", "all_reduce_sum", "clip_grad_norm"]
+__all__ = ["GradientSync", "PolicyForward", "all_ranks_true", "all_reduce_sum", "clip_grad_norm", "deepspeed_grad_norm"]

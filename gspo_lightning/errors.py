@@ -5,4 +5,8 @@ class NonFiniteError(RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient."""
 
 
-__all__ = ["NonFiniteError"]
+class RolloutServerError(RuntimeError):
+    """A rollout server stayed unreachable, or served weights other than the trainer's."""
+
+
+__all__ = ["NonFiniteError", "RolloutServerError"]

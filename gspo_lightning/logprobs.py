@@ -9,13 +9,16 @@ output head, a plain linear head through an in-place path that holds one float32
 logit-sized buffer (``_HeadLogprobs``). When the response logits are small
 (``max_unchunked_bytes``) they are projected in one piece and kept for backward. When they
 are large (long responses at a 32k+ vocabulary) the head runs ``chunk_size`` tokens at a
-time under activation checkpointing, so backward recomputes each chunk's logits instead of
-keeping them: one more head matmul, paid only when the logits would not fit.
+time and backward recomputes each chunk's logits instead of keeping them: one more head
+matmul, paid only when the logits would not fit. The head is reached by calling its
+module, never by reading its weight, so that sharded weights (FSDP2 units, DeepSpeed ZeRO-3
+partitions) are gathered by the module's hooks, once per forward and once per backward.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,62 +65,136 @@ def token_logprobs(
     return picked, entropy
 
 
-class _HeadLogprobs(torch.autograd.Function):
-    """:func:`token_logprobs` of ``hidden @ weight.T`` holding one float32 logit-sized buffer.
-
-    Autograd's path keeps the log-softmax for backward and builds a zero tensor, the
-    softmax and the input gradient there (four logit-sized buffers at its peak); here the
-    log-softmax is computed in place, saved, and turned into the logit gradient in place
-    (``g * (onehot - softmax)``), so forward and backward each hold one. Backward runs once
-    (it consumes the saved buffer)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p):
-        logits = (hidden @ weight.t()).float()
-        if temperature not in (0.0, 1.0):
-            logits.div_(temperature)
-        keep = keep_mask(logits, top_k, top_p)
-        if keep is not None:
-            keep.scatter_(-1, targets.unsqueeze(-1), True)  # see token_logprobs
-            logits.masked_fill_(~keep, float("-inf"))
-        entropy = logits.new_empty(logits.shape[0])
-        block = max(1, 2**22 // logits.shape[-1])  # rows at a time: temporaries of ~16 MiB
-        for start in range(0, logits.shape[0], block):
-            log_probs = logits[start:start + block]
-            log_probs.sub_(torch.logsumexp(log_probs, dim=-1, keepdim=True))  # the log-softmax, in place
+def _chunk_log_softmax(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float,
+                       entropy: Optional[Tensor]) -> Tensor:
+    """The float32 log-softmax of ``hidden @ weight.T`` under the sampling distribution, computed
+    in place in one logit-sized buffer; fills ``entropy`` (rows,) when given."""
+    logits = (hidden @ weight.t()).float()
+    if temperature not in (0.0, 1.0):
+        logits.div_(temperature)
+    keep = keep_mask(logits, top_k, top_p)
+    if keep is not None:
+        keep.scatter_(-1, targets.unsqueeze(-1), True)  # see token_logprobs
+        logits.masked_fill_(~keep, float("-inf"))
+    block = max(1, 2**22 // logits.shape[-1])  # rows at a time: temporaries of ~16 MiB
+    for start in range(0, logits.shape[0], block):
+        log_probs = logits[start:start + block]
+        log_probs.sub_(torch.logsumexp(log_probs, dim=-1, keepdim=True))  # the log-softmax, in place
+        if entropy is not None:
             plogp = log_probs.exp() * log_probs
             if keep is not None:
                 plogp.masked_fill_(~keep[start:start + block], 0.0)  # 0 * -inf
             entropy[start:start + block] = -plogp.sum(-1)
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logits
+
+
+def _logit_grad_(log_probs: Tensor, targets: Tensor, grad: Tensor, temperature: float) -> Tensor:
+    """``d(sum_i grad_i * log_probs[i, targets_i]) / d logits = grad * (onehot - softmax)``, in place."""
+    grad = grad.float()
+    grad_logits = log_probs.exp_().mul_(-grad.unsqueeze(-1))
+    grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+    if temperature not in (0.0, 1.0):
+        grad_logits.div_(temperature)
+    return grad_logits
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """:func:`token_logprobs` of ``hidden @ weight.T``, ``chunk_size`` rows at a time, holding
+    one float32 chunk-of-logits buffer.
+
+    Autograd's path keeps the log-softmax for backward and builds a zero tensor, the
+    softmax and the input gradient there (four logit-sized buffers at its peak); here the
+    log-softmax is computed in place and turned into the logit gradient in place
+    (``g * (onehot - softmax)``). With one chunk the log-softmax is saved for backward
+    (which consumes it: backward runs once); with several, backward recomputes each chunk's
+    logits instead of keeping them (one more head matmul). The weight is an input of one
+    call, so a module hook that gathers it (FSDP2, ZeRO-3) runs once per forward and once
+    per backward, not once per chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
+        rows = hidden.shape[0]
+        chunk_size = min(chunk_size or rows, rows) or 1
+        entropy = hidden.new_empty(rows, dtype=torch.float32)
+        picked = hidden.new_empty(rows, dtype=torch.float32)
+        log_probs = None
+        for start in range(0, rows, chunk_size):
+            end = start + chunk_size
+            log_probs = _chunk_log_softmax(hidden[start:end], weight, targets[start:end], temperature, top_k, top_p,
+                                           entropy[start:end])
+            picked[start:end] = log_probs.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
         ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(hidden, weight, targets, logits)
-        ctx.temperature = temperature
+        saved = log_probs if chunk_size >= rows else None  # one chunk: keep it; several: recompute
+        ctx.save_for_backward(hidden, weight, targets, saved)
+        ctx.settings = (temperature, top_k, top_p, chunk_size)
         return picked, entropy
 
     @staticmethod
     def backward(ctx, grad_picked, grad_entropy):
-        # (a second backward through this graph fails torch's saved-tensor version check)
-        hidden, weight, targets, log_probs = ctx.saved_tensors
-        grad = grad_picked.float()
-        grad_logits = log_probs.exp_().mul_(-grad.unsqueeze(-1))  # -g * softmax, in place
-        grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
-        if ctx.temperature not in (0.0, 1.0):
-            grad_logits.div_(ctx.temperature)
-        grad_logits = grad_logits.to(hidden.dtype)
-        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None, None
+        # (a second backward through a one-chunk graph fails torch's saved-tensor version check)
+        hidden, weight, targets, saved = ctx.saved_tensors
+        temperature, top_k, top_p, chunk_size = ctx.settings
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            h, t = hidden[start:end], targets[start:end]
+            log_probs = saved if saved is not None else _chunk_log_softmax(h, weight, t, temperature, top_k, top_p, None)
+            grad_logits = _logit_grad_(log_probs, t, grad_picked[start:end], temperature).to(hidden.dtype)
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            if want_weight:
+                grad_weight.addmm_(grad_logits.t(), h)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _plain_linear(head: nn.Module) -> bool:
+    return isinstance(head, nn.Linear) and head.bias is None
+
+
+def _call_as_forward(module: nn.Module, fn: Callable, *args):
+    """``module(*args)`` with ``fn(module, *args)`` as its forward, so that the module's hooks
+    run around it: FSDP2 and DeepSpeed ZeRO-3 gather a sharded weight in a forward pre-hook
+    (and again for backward), which reading ``module.weight`` outside a call would miss."""
+    previous = module.__dict__.get("forward")
+    module.forward = functools.partial(fn, module)  # an instance attribute shadows the class's forward
+    try:
+        return module(*args)
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
 
 
 def head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0) -> tuple[Tensor, Tensor]:
-    """:func:`token_logprobs` of ``head(hidden)``; a plain linear head takes the lean
-    :class:`_HeadLogprobs` path."""
-    weight = getattr(head, "weight", None)
-    if isinstance(head, nn.Linear) and head.bias is None and isinstance(weight, Tensor) and type(weight) is nn.Parameter:
-        return _HeadLogprobs.apply(hidden, weight, targets, temperature, top_k, top_p)
-    return token_logprobs(head(hidden), targets, temperature, top_k, top_p)
+                  top_p: float = 1.0, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` of ``head(hidden)`` for ``hidden`` ``(rows, H)``, ``chunk_size``
+    rows projected to the vocabulary at a time (``None``: all at once).
+
+    The head module is always called (its hooks gather sharded weights). A plain linear head
+    takes the lean :class:`_HeadLogprobs` path inside that call; any other head runs per chunk
+    under activation checkpointing when chunked."""
+    if _plain_linear(head):
+        def lean(module, h, t):
+            return _HeadLogprobs.apply(h, module.weight, t, temperature, top_k, top_p, chunk_size)
+
+        return _call_as_forward(head, lean, hidden, targets)
+
+    def chunk_fn(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        return token_logprobs(head(h), t, temperature, top_k, top_p)
+
+    if chunk_size is None or chunk_size >= hidden.shape[0]:
+        return chunk_fn(hidden, targets)
+    use_checkpoint = torch.is_grad_enabled() and hidden.requires_grad
+    picked, entropy = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+        lp, ent = checkpoint(chunk_fn, h, t, use_reentrant=False) if use_checkpoint else chunk_fn(h, t)
+        picked.append(lp)
+        entropy.append(ent)
+    return torch.cat(picked), torch.cat(entropy)
 
 
 def supports_chunked(model: nn.Module) -> bool:
@@ -216,23 +293,9 @@ def response_logprobs(
     head = model.get_output_embeddings()
     hidden = response_hidden_states(model, input_ids, attention_mask, prompt_width)
     rows, length, dim = hidden.shape
-    flat_hidden = hidden.reshape(rows * length, dim)
-    flat_targets = targets.reshape(rows * length)
-
-    def chunk_fn(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        return head_logprobs(head, h, t, temperature, top_k, top_p)
-
-    if rows * length * head.weight.shape[0] * 4 <= max_unchunked_bytes:
-        picked, entropy = chunk_fn(flat_hidden, flat_targets)
-        return picked.view(rows, length), entropy.view(rows, length)
-    picked, entropy = [], []
-    use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
-    for start in range(0, flat_hidden.shape[0], chunk_size):
-        h, t = flat_hidden[start:start + chunk_size], flat_targets[start:start + chunk_size]
-        if use_checkpoint:
-            lp, ent = checkpoint(chunk_fn, h, t, use_reentrant=False)
-        else:
-            lp, ent = chunk_fn(h, t)
-        picked.append(lp)
-        entropy.append(ent)
-    return torch.cat(picked).view(rows, length), torch.cat(entropy).view(rows, length)
+    # the vocabulary from the module's shape, not its weight (a partitioned weight is empty)
+    vocab = getattr(head, "out_features", None) or model.config.vocab_size
+    fits = rows * length * vocab * 4 <= max_unchunked_bytes
+    picked, entropy = head_logprobs(head, hidden.reshape(rows * length, dim), targets.reshape(rows * length),
+                                    temperature, top_k, top_p, chunk_size=None if fits else chunk_size)
+    return picked.view(rows, length), entropy.view(rows, length)

@@ -57,14 +57,22 @@ def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     """Rewards, group spread, lengths and truncation of one rollout (``rollout/worker.py``)."""
     m = metrics
     rewards = rollout.rewards
-    m.update("reward/mean", rewards.mean(), rewards.numel())
-    m.update("reward/sq_mean", rewards.square().mean(), rewards.numel())
+    # a response no reward function scored has no reward: it joins no mean, spread or group count
+    scored = rollout.scored if rollout.scored is not None else torch.ones_like(rewards, dtype=torch.bool)
+    count = scored.sum()
+    kept = torch.where(scored, rewards, torch.zeros_like(rewards))
+    m.update("reward/mean", kept.sum() / count.clamp(min=1), count)  # weight 0 on a rank with no score
+    m.update("reward/sq_mean", kept.square().sum() / count.clamp(min=1), count)
+    m.update("reward/unscored_frac", (~scored).float().mean(), rewards.numel())
     for name, values in rollout.reward_components.items():
         scored = ~values.isnan()  # a function may return None (no score) for some samples
         if scored.any():
             m.update(f"reward/{name}", values[scored].mean(), scored.sum())
-    grouped = rewards.view(-1, rollout.group_size)
-    zero_std = (grouped.max(-1).values == grouped.min(-1).values).float()
+    # a group teaches nothing when its scored rewards are all equal or fewer than two are scored
+    group_scored = scored.view(-1, rollout.group_size)
+    high = torch.where(group_scored, rewards.view(-1, rollout.group_size), -torch.inf).max(-1).values
+    low = torch.where(group_scored, rewards.view(-1, rollout.group_size), torch.inf).min(-1).values
+    zero_std = ((group_scored.sum(-1) < 2) | (high == low)).float()
     m.update("reward/zero_std_groups", zero_std.mean(), zero_std.numel())
     lengths = rollout.lengths.float()
     m.update("response/length_mean", lengths.mean(), lengths.numel())

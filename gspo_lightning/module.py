@@ -30,11 +30,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
-from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, clip_grad_norm
+from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, deepspeed_grad_norm
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.evaluation import record_eval_rollout
 from gspo_lightning.loggers import logger_identity
 from gspo_lightning.logprobs import response_logprobs
+from gspo_lightning.loss_scaling import LossScaling
 from gspo_lightning.metrics import StepMetrics, record_rollout
 from gspo_lightning.gguf_models import resolve_model
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
@@ -65,7 +66,8 @@ class GSPOModule(L.LightningModule):
         rewards: the reward functions (import path, weight, kwargs, name).
         on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
         engine: the generation engine, by ``class_path`` (default: ``HFEngine``, the policy
-            itself; ``gspo_lightning.rollout.VLLMEngine`` for vLLM, see docs/vllm.md).
+            itself; ``gspo_lightning.rollout.VLLMEngine`` for vLLM, see docs/vllm.md;
+            ``gspo_lightning.rollout.RemoteEngine`` for rollout servers, docs/scaling.md).
         num_return_sequences_in_group: responses per prompt, ``G`` (ROLL's key).
         response_length: most new tokens per response (ROLL's key).
         temperature: sampling temperature; log-probs are taken at the same temperature.
@@ -98,9 +100,11 @@ class GSPOModule(L.LightningModule):
             are what let the clip act: with one, every ratio is exactly 1.
         mini_batch_size: responses per optimizer step over all ranks; when set, it takes
             precedence over ``num_mini_batches``.
-        micro_batch_size: responses per forward/backward on each rank (``null``: the whole
-            local mini-batch); a memory knob that leaves the gradient unchanged, except the
-            MoE load-balancing loss, which is a mean per micro-batch.
+        micro_batch_size: responses per forward/backward on each rank, also in the no-grad
+            old-policy and reference passes (``null``: the fewest equal micro-batches of at most
+            8192 tokens, counting ``prompt_length + response_length`` per response); a memory knob
+            that leaves the gradient unchanged, except the MoE load-balancing loss, which is a
+            mean per micro-batch.
         max_grad_norm: gradient norm clip (``null``: off).
         old_logprobs: ``recompute`` the old policy's log-probs with the trainer, or take the
             ``engine``'s sampled-token log-probs (no extra pass; the paper's shortcut).
@@ -224,6 +228,7 @@ class GSPOModule(L.LightningModule):
         self.rollout_steps = 0  # rollout batches trained on
         self.grad_sync = GradientSync()
         self.sharded = False  # parameters split over ranks (FSDP2)
+        self._chunked_logprobs = True  # the decoder and the head may be called separately
         self._updater_state: dict[str, int] = {}
         self._trained_this_fit = False
 
@@ -256,13 +261,13 @@ class GSPOModule(L.LightningModule):
             self.router = RoutingRecorder(self.policy)
 
     def _fully_shard(self, mesh) -> None:
-        """FSDP2: shard each decoder layer, then the rest (embeddings, head) at the root."""
-        from torch.distributed.fsdp import fully_shard
+        """FSDP2: the policy and the frozen reference, sharded alike (``sharding.py``)."""
+        from gspo_lightning.sharding import data_parallel_mesh, fully_shard_causal_lm
 
-        dp_mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
-        for layer in self.policy.get_decoder().layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(self.policy, mesh=dp_mesh)
+        dp_mesh = data_parallel_mesh(mesh)
+        self._chunked_logprobs = fully_shard_causal_lm(self.policy, dp_mesh)
+        if self.reference is not None:
+            fully_shard_causal_lm(self.reference, dp_mesh)
         self.sharded = True
 
     def configure_optimizers(self):
@@ -293,7 +298,7 @@ class GSPOModule(L.LightningModule):
         return [TrainingCurves(), PreemptionCheckpoint(), *(c for c in extra if c is not None)]
 
     def on_fit_start(self) -> None:
-        self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size)
+        self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
         if self.hparams.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
             self._build_updater(self.hparams.rollout_batch_size)
         self._start_worker()
@@ -324,6 +329,7 @@ class GSPOModule(L.LightningModule):
             prompts_per_step, world, group_size=hp.num_return_sequences_in_group, num_mini_batches=hp.num_mini_batches,
             mini_batch_size=hp.mini_batch_size, micro_batch_size=hp.micro_batch_size, ppo_epochs=hp.ppo_epochs,
             warn_no_clip=hp.old_logprobs == "recompute" and self.rollout_steps == 0,
+            tokens_per_response=(hp.prompt_length or 0) + hp.response_length,
         )
         settings = UpdateSettings(
             importance_sampling=hp.importance_sampling, clip_low=self.clip_low, clip_high=self.clip_high,
@@ -390,9 +396,9 @@ class GSPOModule(L.LightningModule):
             model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width,
             # the distribution the engine sampled from: temperature, then the top-k / top-p filters
             temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p,
-            # the chunked path calls the decoder and head separately, bypassing the root's
-            # FSDP2 all-gather of embeddings and head: sharded policies take the naive path
-            chunk_size=None if self.sharded else hp.logprob_chunk_size,
+            # the chunked path calls the decoder and the head separately: under FSDP2 both are
+            # their own units, unless the model has parameters outside them (sharding.py)
+            chunk_size=hp.logprob_chunk_size if self._chunked_logprobs else None,
         )
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:
@@ -446,15 +452,16 @@ class GSPOModule(L.LightningModule):
             add_token_level_kl=hp.add_token_level_kl,
             old_logprobs=old if old is not None else rollout.engine_logprobs, ref_logprobs=ref,
             kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
-            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum,
+            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum, scored=rollout.scored,
         )
-        if rollout.scored is not None:  # a response no reward function scored teaches nothing
-            advantages = advantages.masked_fill(~rollout.scored[:, None], 0.0)
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
+        forward = self.grad_sync.policy_forward  # DDP: the policy's own wrapper, which syncs in backward
+        if forward is None:
+            forward = lambda *args: self._logprobs(self.policy, *args)  # noqa: E731
         self.policy_version += self.updater.run(
-            rollout, advantages, old, ref, lambda rows: self._logprobs(self.policy, rollout, rows), self._update_ops(),
+            rollout, advantages, old, ref, lambda rows: forward(rollout, rows), self._update_ops(),
             router=self.router, generator=generator,
         )
         time_train = time.perf_counter() - start
@@ -468,22 +475,29 @@ class GSPOModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sync = self.grad_sync
+        scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
 
-        def step(count: bool) -> None:
+        def uncounted_step() -> None:  # an optimizer step that leaves trainer.global_step alone
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+
+        def step(count: bool) -> Optional[Tensor]:
             if count:  # through Lightning's wrapper: advances trainer.global_step once per rollout
                 optimizer.step()
             else:
-                self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+                uncounted_step()
             if scheduler is not None:
                 scheduler.step()
+            return deepspeed_grad_norm(self.trainer.strategy.deepspeed_engine) if sync.mode == "deepspeed" else None
 
         return UpdateOps(
             backward=lambda loss: self.manual_backward(loss * sync.loss_scale),
             zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
             reduce_gradients=lambda finite: sync.reduce(self.policy.parameters(), finite, self.device),
-            clip_gradients=lambda: clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
+            clip_gradients=lambda: scaling.clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
             step=step,
             all_reduce_sum=all_reduce_sum,
+            skip_overflow=lambda: scaling.skip_overflow(uncounted_step),
+            sync_next_backward=sync.sync_next_backward,
         )
 
     def _log_step(self, batch, rollout: Rollout, advantages: Tensor, time_logprobs: float, time_train: float, elapsed: float) -> None:

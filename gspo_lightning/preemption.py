@@ -1,5 +1,10 @@
-"""Never lose a run: a checkpoint at the next step boundary on SIGTERM / SIGINT, and one
-for inspection when training stops on non-finite updates.
+"""Never lose a run: a checkpoint at the next step boundary on SIGTERM / SIGINT, one at the
+end of fit, and one for inspection when training stops on non-finite updates.
+
+``last.ckpt`` is always the newest state of the run: ``ModelCheckpoint`` writes it every
+``every_n_train_steps``, this callback on a stop and at the end of fit (``ModelCheckpoint``
+alone writes none there once it wrote one during the run), and a resumed run overwrites it
+(the CLI turns off ``ModelCheckpoint``'s version counter, which would write ``last-v1.ckpt``).
 
 SIGTERM (preemption, ``scancel``, ``docker stop``) and the first Ctrl-C both let the
 current step finish, write ``last.ckpt`` and stop; a second Ctrl-C aborts at once.
@@ -15,7 +20,7 @@ from typing import Optional
 
 import lightning as L
 
-from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.errors import NonFiniteError, RolloutServerError
 from gspo_lightning.rewards.base import RewardError
 
 log = logging.getLogger(__name__)
@@ -41,8 +46,13 @@ class PreemptionCheckpoint(L.Callback):
         self.interrupted = False
         self.saved: Optional[Path] = None
         self._previous_sigint = None
+        self._newest_saved_step: Optional[int] = None  # in this fit
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._newest_saved_step = trainer.global_step
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._newest_saved_step = None
         self._previous_sigint = signal.getsignal(signal.SIGINT)
         try:
             signal.signal(signal.SIGINT, self._on_sigint)
@@ -81,6 +91,12 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_sigint()
+        callback = trainer.checkpoint_callback
+        if callback is None or not getattr(callback, "save_last", False):
+            return
+        # with nothing saved in this fit, ModelCheckpoint's own on_train_end writes last.ckpt
+        if self._newest_saved_step is not None and self._newest_saved_step != trainer.global_step:
+            trainer.save_checkpoint(checkpoint_dir(trainer) / "last.ckpt")
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore_sigint()
@@ -96,3 +112,10 @@ class PreemptionCheckpoint(L.Callback):
             trainer.save_checkpoint(path)
             print(f"a reward function failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} "
                   f"is saved in {path}: fix the function, then resume with --ckpt_path {path}", flush=True)
+        elif isinstance(exception, RolloutServerError) and trainer.global_step > 0:
+            # the rollout server is gone: keep the run up to the last finished step
+            path = checkpoint_dir(trainer) / "last.ckpt"
+            trainer.save_checkpoint(path)
+            if trainer.is_global_zero:
+                print(f"no rollouts at step {trainer.global_step + 1}; the run up to step {trainer.global_step} is saved in "
+                      f"{path}: once a rollout server is up, resume with --ckpt_path {path}", flush=True)

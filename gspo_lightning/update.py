@@ -76,27 +76,41 @@ class UpdateOps:
     """The optimizer side of an update, provided by the training strategy.
 
     ``step(count)``: one optimizer (and scheduler) step; ``count`` marks the step that
-    advances the trainer's step counter (one per rollout). ``reduce_gradients(finite)``
-    sums gradients over ranks where the strategy does not, and returns whether every rank
-    was finite. ``all_reduce_sum`` sums a tensor over ranks (identity on one process).
+    advances the trainer's step counter (one per rollout); it returns the gradient norm when
+    the strategy measured it in the step (DeepSpeed), else ``None``. ``reduce_gradients(finite)``
+    sums gradients over ranks where the strategy does not; ``finite`` is already agreed by
+    every rank, and it returns whether the step may go on. ``all_reduce_sum`` sums a tensor
+    over ranks (identity on one process). ``clip_gradients()`` returns the gradient norm in
+    unscaled units. ``skip_overflow()``, under a loss scaler (fp16), hands a step whose
+    gradients overflowed to the scaler, which skips it and lowers its scale; it returns the
+    new scale (``None``: no loss scaler). ``sync_next_backward(last)`` says whether the next
+    micro-batch is its optimizer step's last (DDP syncs gradients in that backward only).
     """
 
     backward: Callable[[Tensor], None]
     zero_grad: Callable[[], None]
     reduce_gradients: Callable[[bool], bool]
     clip_gradients: Callable[[], Tensor]
-    step: Callable[[bool], None]
+    step: Callable[[bool], Optional[Tensor]]
     all_reduce_sum: Callable[[Tensor], Tensor]
+    skip_overflow: Callable[[], Optional[float]] = lambda: None
+    sync_next_backward: Callable[[bool], None] = lambda last: None
+
+
+# micro_batch_size: null holds at most this many tokens (prompt + response width) per forward
+MICRO_BATCH_TOKENS = 8192
 
 
 def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini_batches: Optional[int],
                  mini_batch_size: Optional[int], micro_batch_size: Optional[int], ppo_epochs: int,
-                 warn_no_clip: bool = False) -> tuple[int, int]:
+                 warn_no_clip: bool = False, tokens_per_response: Optional[int] = None) -> tuple[int, int]:
     """``(mini, micro)``: responses per optimizer step and per forward on each rank.
 
     ``mini_batch_size`` (all ranks), when set, takes precedence over ``num_mini_batches``.
-    Raises when the sizes do not divide the step; warns (``warn_no_clip``) when one update
-    per rollout makes every ratio exactly 1."""
+    ``micro_batch_size=None`` splits the mini-batch into the fewest equal micro-batches of at
+    most :data:`MICRO_BATCH_TOKENS` tokens (``tokens_per_response``: the padded width of a
+    row; unknown: the whole mini-batch). Raises when the sizes do not divide the step; warns
+    (``warn_no_clip``) when one update per rollout makes every ratio exactly 1."""
     if prompts_per_step % world:
         raise ValueError(f"data.rollout_batch_size={prompts_per_step} does not split over {world} ranks")
     local = prompts_per_step // world * group_size
@@ -111,6 +125,9 @@ def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini
             raise ValueError(f"num_mini_batches={splits} does not divide the {local} responses of a step on each rank "
                              f"(rollout_batch_size x num_return_sequences_in_group / ranks)")
         mini = local // splits
+    if micro_batch_size is None and tokens_per_response:
+        forwards = -(-mini // max(1, MICRO_BATCH_TOKENS // tokens_per_response))
+        micro_batch_size = -(-mini // forwards)  # as even as the count allows
     micro = min(micro_batch_size or mini, mini)  # a last, smaller micro-batch is fine: denominators are global
     if warn_no_clip and ppo_epochs * (local // mini) == 1:
         warnings.warn("one optimizer step per rollout (num_mini_batches=1, ppo_epochs=1) with recomputed old "
@@ -174,9 +191,11 @@ class PolicyUpdater:
                 # denominators of the whole optimizer step, over all ranks
                 counts = ops.all_reduce_sum(torch.stack([(lengths[mini_rows] > 0).sum(), mask[mini_rows].sum()]).float())
                 ops.zero_grad()
-                finite = True
-                step_loss = 0.0
-                for rows in micro_batches(mini_rows, s.micro_batch_size, teaching, same_count=s.world_size > 1):
+                step_loss = torch.zeros((), device=device)
+                records = []
+                micros = micro_batches(mini_rows, s.micro_batch_size, teaching, same_count=s.world_size > 1)
+                for index, rows in enumerate(micros):
+                    ops.sync_next_backward(index == len(micros) - 1)  # DDP: overlap the last backward
                     logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], router, first)
                     micro_old = old[rows] if old is not None else logprobs.detach()
                     loss, loss_metrics = policy_loss(
@@ -187,32 +206,35 @@ class PolicyUpdater:
                         kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
                         num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
                     )
-                    if not self._finite_everywhere(loss, ops):
-                        finite = False  # every rank skips together: sharded backwards are collective
-                        break
                     if aux_loss is not None:
                         # a mean per micro-batch, weighed by its share of the step's responses over
                         # ALL ranks: the gradients are summed over ranks, so this sums to the mean
                         share = len(rows) / (len(mini_rows) * s.world_size)
                         loss = loss + s.router_aux_loss_coef * aux_loss * share
+                    # a non-finite loss runs its backward too: every rank takes as many (sharded
+                    # backwards are collective), and the step is skipped below on all ranks at once
                     ops.backward(loss)
-                    step_loss += float(loss.detach())
-                    micro = MicroBatch(rows, logprobs.detach(), micro_old, advantages[rows], mask[rows], loss_metrics, s)
-                    self._record(micro, lengths[rows], entropy, first)
-                    if first and rollout.engine_logprobs is not None:
-                        self._record_mismatch(rollout, rows, logprobs.detach())
+                    step_loss += loss.detach()  # no host sync per micro-batch
+                    records.append((MicroBatch(rows, logprobs.detach(), micro_old, advantages[rows], mask[rows],
+                                               loss_metrics, s), entropy))
+                finite = self._finite_everywhere(step_loss, ops)  # one collective per optimizer step
                 finite = ops.reduce_gradients(finite)
                 grad_norm = ops.clip_gradients() if finite else torch.tensor(float("nan"))
                 if finite and bool(torch.isfinite(grad_norm)):
-                    ops.step(not counted)
+                    for micro, entropy in records:
+                        self._record(micro, lengths[micro.rows], entropy, first)
+                        if first and rollout.engine_logprobs is not None:
+                            self._record_mismatch(rollout, micro.rows, micro.logprobs)
+                    measured = ops.step(not counted)
                     counted = True
                     steps_taken += 1
                     self.consecutive_nonfinite = 0
-                    self.metrics.update("grad_norm", grad_norm)
+                    # DeepSpeed measures the norm in its own step (``clip_gradients`` cannot)
+                    self.metrics.update("grad_norm", grad_norm if measured is None else measured)
                     # summed over ranks: each rank's loss already divides by the global counts
-                    self.metrics.update("loss/policy", ops.all_reduce_sum(torch.tensor(step_loss, device=device)))
+                    self.metrics.update("loss/policy", ops.all_reduce_sum(step_loss))
                 else:
-                    self._skip(ops)
+                    self._skip(ops, gradient_overflow=finite)
         return steps_taken
 
     # -- pieces --------------------------------------------------------------------------
@@ -235,7 +257,8 @@ class PolicyUpdater:
 
     @staticmethod
     def _finite_everywhere(loss: Tensor, ops: UpdateOps) -> bool:
-        bad = torch.tensor([0.0 if bool(torch.isfinite(loss)) else 1.0], device=loss.device)
+        """Whether the loss is finite on every rank: one all-reduce and one host sync."""
+        bad = (~torch.isfinite(loss)).float().reshape(1)
         return bool(ops.all_reduce_sum(bad).item() == 0)
 
     def _record(self, micro: MicroBatch, lengths: Tensor, entropy: Tensor, first: bool) -> None:
@@ -284,9 +307,16 @@ class PolicyUpdater:
         if seq_log_ratio.numel():
             self.metrics.update("engine/seq_log_ratio_abs_max", seq_log_ratio.abs().max(), kind="max")
 
-    def _skip(self, ops: UpdateOps) -> None:
+    def _skip(self, ops: UpdateOps, gradient_overflow: bool) -> None:
+        # a finite loss with an overflowing gradient under a loss scaler (fp16): the scaler's
+        # signal to lower its scale, not a failure, while the scale is >= 1 (below, the
+        # gradients overflow unscaled)
+        scale = ops.skip_overflow() if gradient_overflow else None
         ops.zero_grad()
         self.skipped_updates += 1
+        if scale is not None and scale >= 1:
+            log.info("the loss scaler skipped an overflowing step and lowered its scale to %g", scale)
+            return
         self.consecutive_nonfinite += 1
         log.warning("skipped an update with a non-finite loss or gradient (%d in a row)", self.consecutive_nonfinite)
         if self.consecutive_nonfinite >= self.settings.max_consecutive_nonfinite:

@@ -53,7 +53,8 @@ sum. Functions are called as TRL's `GRPOTrainer` calls them, so TRL's own
   `prompts` holds the message lists and each completion is `[{"role": "assistant", "content": text}]`;
   otherwise both are plain strings;
 - return one score per completion; `None` means "no score for this sample": the weighted sum
-  skips it, and a sample that no function scored gets advantage 0;
+  skips it, and a sample that no function scored gets advantage 0 and is left out of its
+  group's and the batch's reward statistics (see docs/algorithm.md);
 - `async def` functions are awaited, all of them concurrently.
 
 A complete reward function, in `myrewards.py` in the directory you run `gspo` from (modules
@@ -143,15 +144,17 @@ def render() -> str:
     from gspo_lightning.cli import TRAINER_DEFAULTS
     from gspo_lightning.data import PromptDataModule
     from gspo_lightning.module import GSPOModule
+    from gspo_lightning.rollout import HFEngine
 
     parts = [HEADER]
     parts += section("model", GSPOModule)
+    parts += section("model.engine.init_args", HFEngine)  # the default engine's keys
     parts += section("data", PromptDataModule)
     parts += ["## `trainer:` (lightning.pytorch.Trainer)", "",
               "Every `Trainer` argument is a key (see Lightning's documentation). `gspo` changes these defaults:", "",
               "| key | default | why |", "|---|---|---|"]
     why = {
-        "max_steps": "optimizer steps (a rollout batch makes `ppo_epochs x` its mini-batches of them)",
+        "max_steps": "rollout steps: one per rollout batch, which makes `ppo_epochs x` its mini-batches optimizer steps",
         "log_every_n_steps": "every step's metrics reach the loggers",
         "num_sanity_val_steps": "no generation before training starts",
         "use_distributed_sampler": "the prompt stream shards itself over ranks and resumes exactly",
@@ -162,11 +165,13 @@ def render() -> str:
               "`default_root_dir` is the run folder (`runs` when unset): a logger without a `save_dir` writes there",
               "(`<default_root_dir>/csv/version_N/`, `<default_root_dir>/tensorboard/version_N/`) and checkpoints go",
               "to the first logger's `version_N/checkpoints/`, so `--trainer.default_root_dir=DIR` moves them all.", "",
-              "`val_check_interval` counts rollout batches (training batches), `max_steps` counts optimizer steps.", "",
+              "`max_steps`, `val_check_interval` and the checkpoint interval count rollout steps (the trainer's step",
+              "counter advances once per rollout batch); the optimizer steps are logged as `policy_version`.", "",
               "## `checkpoint:` (lightning.pytorch.callbacks.ModelCheckpoint)", "",
               "Every `ModelCheckpoint` argument is a key. `gspo` sets `save_last: true`, `every_n_train_steps: 50`",
-              "(optimizer steps; pick a multiple of the optimizer steps per rollout batch) and `save_top_k: 0`.",
-              "SIGTERM and Ctrl-C also write `last.ckpt` at the next step boundary (see reliability.md).",
+              "(rollout steps), `save_top_k: 0` and `enable_version_counter: false`: `last.ckpt` is always the newest",
+              "state of the run. It is also written at the end of fit, and a run resumed with `--ckpt_path last.ckpt`",
+              "overwrites it (no `last-v1.ckpt`). SIGTERM and Ctrl-C write it at the next step boundary (see reliability.md).",
               "`--trainer.enable_checkpointing=false` turns this section off: no checkpoints.", "", REWARDS]
     return "\n".join(parts)
 

@@ -31,3 +31,36 @@ class CountingTransport(InProcessTransport):
     def send(self, engine, weights, version):
         self.sends += 1
         return super().send(engine, weights, version)
+
+
+def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, response_length: int = 10, seed: int = 0,
+                    **server_kwargs):
+    """A rollout server hosting ``engine`` in this process, on a free localhost port:
+    ``(server, httpd, url)``; stop with ``httpd.shutdown(); server.close()``."""
+    import threading
+
+    from gspo_lightning.rollout.server import RolloutServer, ServerSpec
+
+    server = RolloutServer(ServerSpec(model, prompt_length=prompt_length, response_length=response_length, seed=seed,
+                                      engine=engine), **server_kwargs)
+    server.start()
+    httpd = server.http_server("127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return server, httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+_reward_calls = [0]
+
+
+def reward_that_kills_a_server(prompts, completions, target, **columns):
+    """The successor reward; at call ``$GSPO_TEST_KILL_AT_CALL`` it kills ``$GSPO_TEST_KILL_PID``
+    (a rollout server dying mid-run)."""
+    import os
+    import signal
+
+    from gspo_lightning.tasks.successor import successor_reward
+
+    _reward_calls[0] += 1
+    if _reward_calls[0] == int(os.environ.get("GSPO_TEST_KILL_AT_CALL", "0")):
+        os.kill(int(os.environ["GSPO_TEST_KILL_PID"]), signal.SIGKILL)
+    return successor_reward(prompts, completions, target, **columns)

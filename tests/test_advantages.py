@@ -600,3 +600,76 @@ def test_roll_example_settings():
     assert_close(norm_scores, T_(r))
     assert_close(adv, T_(expected))
     assert (adv.abs() == 2.0).any()  # the advantage clip acted
+
+
+# --------------------------------------------------------------------------------------
+# unscored responses (every reward function returned None): in no statistic, advantage 0
+# --------------------------------------------------------------------------------------
+
+# rewards [1, None, None, 0]: the reward composer gives an unscored response total 0
+UNSCORED_SCORES = T_([1.0, 0.0, 0.0, 0.0])
+UNSCORED = torch.tensor([True, False, False, True])
+H = 1 / math.sqrt(2)  # the scored pair {1, 0}: mean 1/2, unbiased std sqrt(1/2); (1 - 1/2) / sqrt(1/2)
+
+
+def per_response(advantages):
+    """(B, T) advantages that are constant over each response's valid tokens -> (B,)"""
+    assert torch.equal(advantages, advantages[:, :1].expand_as(advantages))
+    return advantages[:, 0]
+
+
+@pytest.mark.parametrize("estimator, expected", [
+    ("grpo", [H, 0.0, 0.0, -H]),  # counting the unscored as 0 gave [+1.5, 0, 0, -0.5]
+    ("rloo", [1.0, 0.0, 0.0, -1.0]),  # R_i minus the other scored one
+    ("dr_grpo", [0.5, 0.0, 0.0, -0.5]),  # R_i minus the scored mean 1/2
+    ("reinforce", [1.0, 0.0, 0.0, 0.0]),  # no group: each scored reward on its own
+])
+def test_unscored_responses_join_no_group_statistic(estimator, expected):
+    _, adv = rewards_to_advantages(UNSCORED_SCORES, torch.ones(4, 3, dtype=DT), 4, adv_estimator=estimator,
+                                   scored=UNSCORED)
+    assert_close(per_response(adv), T_(expected), rtol=0, atol=2e-6)  # eps = 1e-6 on the std
+
+
+def test_unscored_responses_with_group_norm_and_whitening():
+    mask = torch.ones(4, 2, dtype=DT)
+    scores, adv = rewards_to_advantages(UNSCORED_SCORES, mask, 4, adv_estimator="reinforce", reward_norm="group",
+                                        scored=UNSCORED)
+    assert_close(scores[UNSCORED], T_([H, -H]), rtol=0, atol=2e-6)
+    assert_close(per_response(adv), T_([H, 0.0, 0.0, -H]), rtol=0, atol=2e-6)
+    # whitened over the 4 tokens of the scored pair: values +-H, mean 0, unbiased std
+    # sqrt(4 H^2 / 3) = sqrt(2/3); H / sqrt(2/3) = sqrt(3)/2 (the 4 unscored zeros are left out)
+    _, adv = rewards_to_advantages(UNSCORED_SCORES, mask, 4, adv_estimator="grpo", whiten_advantages=True,
+                                   scored=UNSCORED)
+    assert_close(per_response(adv), T_([math.sqrt(3) / 2, 0.0, 0.0, -math.sqrt(3) / 2]), rtol=0, atol=1e-5)
+
+
+# two groups: [1, None, None, 0] and [3, 2, None, 1]. Scored {1, 0, 3, 2, 1}: mean 7/5,
+# squared deviations 0.16 + 1.96 + 2.56 + 0.36 + 0.16 = 5.2, unbiased std sqrt(5.2 / 4) = sqrt(1.3)
+BATCH_SCORES = T_([1.0, 0.0, 0.0, 0.0, 3.0, 2.0, 0.0, 1.0])
+BATCH_SCORED = torch.tensor([True, False, False, True, True, True, False, True])
+
+
+def test_unscored_responses_join_no_batch_or_running_statistic():
+    expected = T_([(r - 1.4) / math.sqrt(1.3) if s else 0.0 for r, s in zip(BATCH_SCORES.tolist(), BATCH_SCORED.tolist())])
+    mask = torch.ones(8, 2, dtype=DT)
+    for norm in ("batch", "running"):
+        running = RunningMoments()
+        _, adv = rewards_to_advantages(BATCH_SCORES, mask, 4, adv_estimator="reinforce", reward_norm=norm,
+                                       running=running, scored=BATCH_SCORED)
+        assert_close(per_response(adv), expected, rtol=0, atol=1e-5)
+    assert (running.count, running.mean) == (5.0, pytest.approx(1.4)) and running.std == pytest.approx(math.sqrt(1.3))
+    # a step with nothing scored leaves the history as it was
+    rewards_to_advantages(T_([0.0] * 4), torch.ones(4, 2, dtype=DT), 4, adv_estimator="reinforce",
+                          reward_norm="running", running=running, scored=torch.zeros(4, dtype=torch.bool))
+    assert running.count == 5.0
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo"])
+def test_a_group_with_one_scored_response_teaches_nothing(estimator):
+    scores, scored = T_([0.0, 5.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), torch.tensor([False, True, False, False] + [False] * 4)
+    _, adv = rewards_to_advantages(scores, torch.ones(8, 2, dtype=DT), 4, adv_estimator=estimator, scored=scored)
+    assert torch.equal(adv, torch.zeros_like(adv))
+    # with group normalization a lone scored reward normalizes to 0 under any estimator
+    _, adv = rewards_to_advantages(scores, torch.ones(8, 2, dtype=DT), 4, adv_estimator="reinforce",
+                                   reward_norm="group", scored=scored)
+    assert torch.equal(adv, torch.zeros_like(adv))

@@ -53,7 +53,13 @@ def test_fit_then_validate_through_the_cli(tmp_path):
     assert list((tmp_path / "tensorboard" / "version_0").glob("events.out.tfevents.*")), "TensorBoard events missing"
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
     evals = [json.loads(line) for line in (run / "eval_results.jsonl").read_text().splitlines()]
-    assert len(evals) == 3 and 0.0 <= evals[-1]["val/accuracy"] <= 1.0
+    # every 2 rollout steps, each of 4 optimizer steps (the default num_mini_batches)
+    assert [(e["step"], e["policy_version"]) for e in evals] == [(2, 8), (4, 16), (6, 24)]
+    for e in evals:
+        # 2 samples per prompt: pass@1 is the share correct; pass@2, the share of prompts with one
+        # correct, lies between it and twice it. A correct echo scores 1, so the mean reward is at least it.
+        assert e["val/pass@1"] == e["val/accuracy"] <= e["val/pass@2"] <= 2 * e["val/accuracy"]
+        assert e["val/reward_mean"] >= e["val/accuracy"] and 1 <= e["val/response_length"] <= 5
 
     main(["validate", "--config", str(cfg), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
     evals = [json.loads(line) for line in (tmp_path / "csv" / "version_1" / "eval_results.jsonl").read_text().splitlines()]

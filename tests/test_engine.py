@@ -195,6 +195,55 @@ def test_filter_logits_top_k_and_top_p_by_hand():
     assert kept.tolist() == [[True, True, True, False]]
 
 
+def naive_kept(row: list[float], top_k: int, top_p: float) -> set[int]:
+    """Top-k then top-p by hand, on one row of logits: the k largest (with ties of the k-th),
+    renormalized over what is left, then the shortest prefix, by falling probability, whose
+    mass reaches top_p."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    kept = order
+    if 0 < top_k < len(row):
+        kth = row[order[top_k - 1]]
+        kept = [i for i in order if row[i] >= kth]
+    if top_p < 1.0:
+        total = sum(math.exp(row[i]) for i in kept)
+        nucleus, mass = [], 0.0
+        for i in kept:
+            if mass >= top_p:
+                break
+            nucleus.append(i)
+            mass += math.exp(row[i]) / total
+        kept = nucleus
+    return set(kept)
+
+
+def kept_set(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    return set(torch.isfinite(filter_logits(logits, top_k=top_k, top_p=top_p)).nonzero().flatten().tolist())
+
+
+def test_top_k_then_top_p_by_hand():
+    # probabilities 0.4 0.25 0.2 0.1 0.05; top-k 3 leaves 0.4 0.25 0.2, renormalized 0.47 0.29
+    # 0.24: the nucleus 0.7 needs two of them. On the full distribution it would need three
+    # (0.4 + 0.25 < 0.7): top-p acts on what top-k left, as in transformers and vLLM.
+    logits = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]).log()
+    assert naive_kept(logits.tolist(), 3, 0.7) == kept_set(logits, 3, 0.7) == {0, 1}
+    assert naive_kept(logits.tolist(), 0, 0.7) == kept_set(logits, 0, 0.7) == {0, 1, 2}
+    assert kept_set(logits, 3, 0.99) == {0, 1, 2} and kept_set(logits, 0, 0.3) == {0}  # the first always stays
+    # ties with the k-th logit stay
+    tied = torch.tensor([1.0, 2.0, 2.0, 0.0])
+    assert naive_kept(tied.tolist(), 1, 1.0) == kept_set(tied, 1, 1.0) == {1, 2}
+    assert kept_set(tied, 3, 1.0) == {0, 1, 2}
+
+
+def test_filter_matches_a_naive_top_k_top_p_on_random_logits():
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(200, 12, generator=generator, dtype=torch.float64) * 2
+    for top_k, top_p in [(0, 0.5), (0, 0.9), (4, 1.0), (4, 0.6), (7, 0.95), (1, 0.3), (12, 0.8)]:
+        rows = filter_logits(logits, top_k=top_k, top_p=top_p)
+        for row, filtered in zip(logits, rows):
+            got = set(torch.isfinite(filtered).nonzero().flatten().tolist())
+            assert got == naive_kept(row.tolist(), top_k, top_p), (top_k, top_p, row)
+
+
 def test_sampling_params_reject_bad_values():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(4, top_p=0.0)

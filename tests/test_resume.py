@@ -180,3 +180,43 @@ def test_a_resumed_run_continues_its_log_folders_and_curves(tmp_path):
     assert steps == [0, 1, 2, 3, 4]  # the first run's rows kept, the resumed run's appended
     history = json.loads((tmp_path / "csv" / "version_0" / "history.json").read_text())
     assert [step for step, _ in history["reward/mean"]] == [1, 2, 3, 4, 5]
+
+
+FAIL_AT = {"call": None, "n": 0}
+
+
+def reward_that_fails_when_told(prompts, completions, **columns):
+    FAIL_AT["n"] += 1
+    if FAIL_AT["n"] == FAIL_AT["call"]:
+        raise RuntimeError("the grader is down")
+    return [float(len(c) > 0) for c in completions]
+
+
+def test_last_ckpt_is_always_the_newest_state_over_stop_resume_stop_resume(tmp_path):
+    """A user's run: checkpoints every 4 steps into the default folder, stopped by a failing
+    reward function, resumed from last.ckpt, stopped again, resumed again. last.ckpt is the
+    newest state after every run (the end of fit included) and no last-v1.ckpt appears."""
+
+    def run(max_steps, fail_at_call=None, resume=True):
+        FAIL_AT.update(call=fail_at_call, n=0)
+        path = write_config(tmp_path, max_steps)
+        cfg = yaml.safe_load(path.read_text())
+        del cfg["checkpoint"]["dirpath"]  # the default: next to the logs, csv/version_0/checkpoints
+        cfg["checkpoint"]["every_n_train_steps"] = 4
+        cfg["model"]["rewards"] = [{"function": "tests.test_resume.reward_that_fails_when_told"}]
+        cfg["trainer"]["logger"][0]["class_path"] = "gspo_lightning.loggers.CSVLogger"  # continues its folder
+        path.write_text(yaml.safe_dump(cfg))
+        args = ["fit", "--config", str(path)] + (["--ckpt_path", str(last)] if resume else [])
+        if fail_at_call is None:
+            main(args)
+        else:
+            with pytest.raises(SystemExit):  # gspo: error: ... the grader is down
+                main(args)
+        files = sorted(p.name for p in last.parent.iterdir())
+        return torch.load(last, map_location="cpu", weights_only=True)["global_step"], files
+
+    last = tmp_path / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+    assert run(10, fail_at_call=3, resume=False) == (2, ["last.ckpt"])  # steps 1, 2; the 3rd fails
+    assert run(6) == (6, ["last.ckpt"])  # saved at 4 and, at the end of fit, at 6
+    assert run(10, fail_at_call=2) == (7, ["last.ckpt"])  # step 7; step 8 fails
+    assert run(9) == (9, ["last.ckpt"])  # saved at 8 and at the end, 9

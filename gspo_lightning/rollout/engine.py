@@ -66,6 +66,9 @@ class Generation:
     logprobs: Tensor  # (N, R) float32, 0 at padding
     lengths: Tensor  # (N,) long
     truncated: Tensor  # (N,) bool: reached max_new_tokens without end-of-sequence
+    # the policy version that sampled these responses, when the engine knows it (a rollout
+    # server reports it); None: the engine's own ``weights_version``
+    weights_version: Optional[int] = None
 
     @property
     def mask(self) -> Tensor:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from gspo_lightning.rollout import kv_decode
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.sampling import filter_logits
+from gspo_lightning.sharding import gathered
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -30,12 +31,17 @@ def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> t
     return ids.to(device), mask.to(device)
 
 
+# generation_batch_size: null samples as many responses at once as keep their KV cache within this
+KV_CACHE_BUDGET_BYTES = 4 * 2**30
+
+
 class HFEngine(RolloutEngine):
     """Samples from the training model itself (``model.engine`` default).
 
     Args:
-        generation_batch_size: responses sampled at once (``null``: all of the step's);
-            a memory knob, rounded down to whole groups.
+        generation_batch_size: responses sampled at once, rounded down to whole groups (at
+            least one); a memory knob. ``null``: as many as keep the KV cache (prompt plus
+            ``max_new_tokens`` per response) within 4 GiB, all of the step's for small models.
     """
 
     shares_policy_weights = True  # the same module object as the policy: always current
@@ -65,21 +71,33 @@ class HFEngine(RolloutEngine):
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         # chunks hold whole groups: generation_batch_size responses -> that many // n prompts
-        per_chunk = max(1, (self.generation_batch_size or len(prompt_ids) * n) // n)
-        parts = [self._sample_groups(prompt_ids[i:i + per_chunk], n, params, generator, device)
-                 for i in range(0, len(prompt_ids), per_chunk)]
+        per_chunk = max(1, (self.generation_batch_size or self._responses_in_budget(prompt_ids, params)) // n)
+        # FSDP2: gather the weights once for the whole call, not in every decoded token's forward
+        with gathered(self.model) as sharded:
+            parts = [self._sample_groups(prompt_ids[i:i + per_chunk], n, params, generator, device, lockstep=not sharded)
+                     for i in range(0, len(prompt_ids), per_chunk)]
         return _concat(parts, self.pad_token_id)
 
-    def _sample_groups(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator, device) -> Generation:
+    def _responses_in_budget(self, prompt_ids: list[list[int]], params: SamplingParams) -> int:
+        """Responses whose KV cache fits :data:`KV_CACHE_BUDGET_BYTES` (no limit when the
+        model's shape is unknown)."""
+        dtype = next(self.model.parameters()).dtype
+        per_token = kv_decode.kv_cache_bytes_per_token(self.model.config, dtype)
+        if not per_token:
+            return 1 << 62
+        return KV_CACHE_BUDGET_BYTES // (per_token * (max(len(p) for p in prompt_ids) + params.max_new_tokens))
+
+    def _sample_groups(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator, device,
+                       lockstep: bool = True) -> Generation:
         """``n`` samples of each prompt. The prompt is prefilled once and its KV cache copied to
         the ``n`` samples, instead of prefilling every prompt ``n`` times."""
         with _grad_free_mode(self.model, sharded=self.all_finished is not None):
-            out = self._sample_groups_grad_free(prompts, n, params, generator, device)
+            out = self._sample_groups_grad_free(prompts, n, params, generator, device, lockstep)
         # ordinary tensors again: the trainer saves the tokens for backward and edits results in place
         return Generation(*(t.clone() for t in (out.completion_ids, out.logprobs, out.lengths, out.truncated)))
 
     def _sample_groups_grad_free(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                               generator: torch.Generator, device) -> Generation:
+                               generator: torch.Generator, device, lockstep: bool = True) -> Generation:
         model = self.model
         was_training = model.training
         model.eval()
@@ -111,7 +129,7 @@ class HFEngine(RolloutEngine):
                 if step == feeds:
                     break
                 done = bool(finished.all())
-                if self.all_finished is not None:
+                if self.all_finished is not None and lockstep:  # gathered weights need no lockstep
                     done = self.all_finished(done)
                 if done:
                     break

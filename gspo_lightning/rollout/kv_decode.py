@@ -49,16 +49,29 @@ def supports(model: nn.Module) -> bool:
     return True
 
 
+def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token holds over all layers (0 when the config does not say)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not (layers and heads and hidden):
+        return 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def _sharded(model: nn.Module) -> bool:
     """FSDP gathers a layer's weights in that layer's forward; calling its submodules
-    directly would see shards."""
+    directly would see shards. FSDP2 units gathered for a whole generation
+    (``sharding.gathered``) hold plain tensors and decode here."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         DTensor = ()
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return True
-    return any(type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) for m in model.modules())
+    return any(type(m).__name__.startswith("FullyShardedDataParallel") for m in model.modules())
 
 
 class KVDecoder:

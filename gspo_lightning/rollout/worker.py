@@ -160,7 +160,7 @@ class RolloutWorker:
             rewards=torch.tensor(total, dtype=torch.float32, device=device),
             reward_components={k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in components.items()},
             group_size=group_size,
-            policy_version=self.engine.weights_version,
+            policy_version=self.engine.weights_version if generation.weights_version is None else generation.weights_version,
             prompts=prompts,
             completions=completions,
             scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),

@@ -53,6 +53,8 @@ CASES = {
     "token-mean": dict(loss_agg_mode="token-mean", importance_sampling="token", reward_norm="batch", whiten_advantages=True),
     # the load-balancing loss is a mean per micro-batch: one group per micro-batch on either layout
     "moe-aux-loss": dict(model_name_or_path="builtin:tiny-moe-echo", router_aux_loss_coef=0.5, micro_batch_size=4),
+    # the frozen reference (sharded like the policy under FSDP2) in a real fit
+    "kl-reference": dict(use_kl_loss=True, kl_loss_coef=0.5, kl_estimator="k1"),
 }
 
 
@@ -107,7 +109,8 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/"))}
         out = os.path.join(out_dir, f"{case}.pt")
-        torch.save({"state": state, "initial": initial, "metrics": metrics, "world": world}, out)
+        torch.save({"state": state, "initial": initial, "metrics": metrics, "world": world,
+                    "grad_sync": module.grad_sync.mode}, out)
         print(json.dumps({"saved": out, "world": world}))
 
 

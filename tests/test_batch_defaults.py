@@ -1,0 +1,79 @@
+"""Defaults that do not scale with the batch: ``micro_batch_size: null`` holds at most 8192
+tokens per forward, ``generation_batch_size: null`` a 4 GiB KV cache; small runs (the
+quickstart, the benchmarks) keep one forward per mini-batch and one generation batch."""
+
+import pytest
+import torch
+
+from gspo_lightning.module import GSPOModule
+from gspo_lightning.rollout import hf
+from gspo_lightning.rollout.engine import EngineSpec, SamplingParams
+from gspo_lightning.rollout.hf import HFEngine
+from gspo_lightning.rollout.kv_decode import kv_cache_bytes_per_token
+from gspo_lightning.update import plan_batches
+
+
+def plan(micro=None, tokens=None, prompts=4, group=8, world=1):
+    return plan_batches(prompts, world, group_size=group, num_mini_batches=1, mini_batch_size=None,
+                        micro_batch_size=micro, ppo_epochs=1, tokens_per_response=tokens)
+
+
+def test_null_micro_batch_holds_at_most_8192_tokens():
+    # 32 responses of 96 + 4000 tokens: 8192 // 4096 = 2 per forward
+    assert plan(tokens=96 + 4000) == (32, 2)
+    # 32 of 300 tokens: 27 fit, so 2 forwards, balanced as 16 + 16
+    assert plan(tokens=300) == (32, 16)
+    # the quickstart: 32 responses of 8 + 6 tokens, one forward
+    assert plan(tokens=8 + 6) == (32, 32)
+    # a response longer than the budget still gets a forward of its own
+    assert plan(tokens=20000) == (32, 1)
+    # an explicit size wins, and an unknown width keeps the whole mini-batch
+    assert plan(micro=5, tokens=96 + 4000) == (32, 5)
+    assert plan(tokens=None) == (32, 32)
+
+
+@pytest.mark.filterwarnings("ignore:one optimizer step per rollout")
+def test_the_module_plans_micro_batches_from_prompt_and_response_length():
+    module = GSPOModule(model_name_or_path="builtin:tiny-echo", num_return_sequences_in_group=8, response_length=4000,
+                        prompt_length=96, num_mini_batches=1)
+    module._build_updater(4)
+    assert module.updater.settings.micro_batch_size == 2
+
+
+def test_kv_cache_bytes_by_hand(tiny_echo):
+    model, _ = tiny_echo
+    # tiny-echo: 2 layers x (keys + values) x 2 kv heads x head_dim 64 / 4 heads = 16, float32
+    assert kv_cache_bytes_per_token(model.config, torch.float32) == 2 * 2 * 2 * 16 * 4
+    # Qwen3-8B's shape: 36 layers, 8 kv heads of 128, bfloat16: 144 KiB per token
+    qwen = type("Config", (), dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                   hidden_size=4096))()
+    assert kv_cache_bytes_per_token(qwen, torch.bfloat16) == 144 * 1024
+
+
+def chunk_sizes(model_tok, monkeypatch, budget, n=4, max_new_tokens=6):
+    model, tok = model_tok
+    engine = HFEngine()
+    engine.start(EngineSpec(model_name_or_path="builtin:test", dtype="float32", prompt_length=None, response_length=16,
+                            seed=0, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=model))
+    monkeypatch.setattr(hf, "KV_CACHE_BUDGET_BYTES", budget)
+    sizes = []
+    sample = engine._sample_groups
+
+    def spy(prompts, *args, **kwargs):
+        sizes.append(len(prompts) * n)
+        return sample(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_sample_groups", spy)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10], [5, 5, 5], [4, 3]]
+    out = engine.generate(prompts, n, SamplingParams(max_new_tokens=max_new_tokens), seed=0)
+    assert out.completion_ids.shape[0] == len(prompts) * n
+    return sizes
+
+
+def test_null_generation_batch_keeps_the_kv_cache_in_budget(tiny_echo, monkeypatch):
+    """512 bytes per token, 3 + 6 tokens per response: 4608 bytes. A budget of 40000 bytes
+    holds 8 responses, two groups of 4; the default 4 GiB holds every response here."""
+    assert chunk_sizes(tiny_echo, monkeypatch, 40000) == [8, 8, 4]
+    assert chunk_sizes(tiny_echo, monkeypatch, 4 * 2**30) == [20]
+    # less than one group's cache: one group at a time
+    assert chunk_sizes(tiny_echo, monkeypatch, 100) == [4, 4, 4, 4, 4]

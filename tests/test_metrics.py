@@ -1,0 +1,43 @@
+"""Per-step rollout metrics: a response no reward function scored has no reward to log."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gspo_lightning.metrics import StepMetrics, record_rollout
+
+
+def fake_rollout(rewards, scored, group_size):
+    n = len(rewards)
+    return SimpleNamespace(
+        rewards=torch.tensor(rewards), scored=None if scored is None else torch.tensor(scored),
+        group_size=group_size, reward_components={}, lengths=torch.full((n,), 3),
+        truncated=torch.zeros(n, dtype=torch.bool), response_mask=torch.ones(n, 3, dtype=torch.bool), reward_errors=0,
+    )
+
+
+def test_unscored_responses_join_no_reward_metric():
+    # groups of 4; the reward composer gives an unscored response total 0 (written here as 0.0 with scored False)
+    # A: [1, None, None, 0]   B: [1, 1, None, 1] (all scored equal)   C: [None, 0.5, None, None] (one scored)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.0, 0.0]
+    scored = [True, False, False, True, True, True, False, True, False, True, False, False]
+    m = StepMetrics()
+    record_rollout(m, fake_rollout(rewards, scored, 4), torch.zeros(12, 3))
+    values = m.compute()
+    # scored rewards 1, 0, 1, 1, 1, 0.5: mean 4.5 / 6, mean of squares 4.25 / 6
+    assert values["reward/mean"] == pytest.approx(0.75)
+    assert values["reward/sq_mean"] == pytest.approx(4.25 / 6)
+    assert values["reward/unscored_frac"] == pytest.approx(0.5)
+    # B (all equal) and C (one scored) teach nothing; A does (counting None as 0 made B look spread)
+    assert values["reward/zero_std_groups"] == pytest.approx(2 / 3)
+
+
+def test_every_response_scored_keeps_the_plain_means():
+    m = StepMetrics()
+    record_rollout(m, fake_rollout([1.0, 0.0, 0.5, 0.5], None, 2), torch.zeros(4, 3))
+    values = m.compute()
+    assert values["reward/mean"] == pytest.approx(0.5)
+    assert values["reward/sq_mean"] == pytest.approx(0.375)
+    assert values["reward/unscored_frac"] == 0.0
+    assert values["reward/zero_std_groups"] == pytest.approx(0.5)
