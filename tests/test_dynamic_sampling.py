@@ -125,3 +125,18 @@ def test_extra_prompt_stream_is_its_own_shuffle_and_resumes_exactly(tiny_echo):
         saved.extra_batch()
     resumed.load_state_dict(saved.state_dict())
     assert [resumed.extra_batch()["prompt_text"] for _ in range(2)] == drawn[2:]
+
+
+def test_without_an_extra_prompt_stream_the_error_says_what_to_change():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from gspo_lightning.module import GSPOModule
+
+    module = GSPOModule("builtin:tiny-echo", rewards=[{"function": "gspo_lightning.tasks.echo.echo_reward"}],
+                        dynamic_sampling=True)
+    module._trainer = SimpleNamespace(datamodule=None)  # e.g. prompts from a plain DataLoader
+    with pytest.raises(ValueError, match="dynamic_sampling needs the PromptDataModule"):
+        module._train_rollout({"prompt_ids": [[1]]}, seed=0)
+    module._trainer = None
