@@ -16,8 +16,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from gspo_lightning.cpu_env import configure_cpu_env
+
+configure_cpu_env()  # before lightning imports torch: OpenMP reads its settings once, at load
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 TRAINER_DEFAULTS = {
     "max_steps": 100,
@@ -53,9 +57,9 @@ class GSPOCLI(LightningCLI):
             "checkpoint.enable_version_counter": False,
             "trainer.logger": [
                 # separate names: two loggers under one name pick different version folders
-                Namespace(class_path="gspo_lightning.loggers.CSVLogger", init_args=Namespace(save_dir="runs", name="csv")),
-                Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
-                          init_args=Namespace(save_dir="runs", name="tensorboard")),
+                # save_dir left out: the run folder, trainer.default_root_dir (run_folder_loggers)
+                Namespace(class_path="gspo_lightning.loggers.CSVLogger", init_args=Namespace(name="csv")),
+                Namespace(class_path="gspo_lightning.loggers.TensorBoardLogger", init_args=Namespace(name="tensorboard")),
             ],
         })
         # one value, stated once: the data module tokenizes with the model's tokenizer, and
@@ -65,6 +69,8 @@ class GSPOCLI(LightningCLI):
         parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
 
     def before_instantiate_classes(self) -> None:
+        trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+        run_folder_loggers(trainer.logger, trainer.default_root_dir)
         if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
             continue_log_versions(self.config.fit.trainer.logger, self.config.fit.ckpt_path)
 
@@ -108,6 +114,20 @@ class GSPOCLI(LightningCLI):
             files = [p for p in folder.rglob("*") if p.is_file()]
             if all(p.name.startswith(START_FILES) for p in files):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_folder_loggers(loggers, default_root_dir: Optional[str]) -> None:
+    """Loggers with no ``save_dir`` write under the run folder, ``trainer.default_root_dir``
+    (``runs`` when unset), so ``--trainer.default_root_dir=DIR`` moves the logs and, with
+    them, the checkpoints (Lightning puts them in the first logger's version folder)."""
+    from jsonargparse import Namespace
+
+    from gspo_lightning.loggers import DEFAULT_SAVE_DIR
+
+    for entry in loggers if isinstance(loggers, list) else [loggers]:
+        args = getattr(entry, "init_args", None)
+        if isinstance(entry, Namespace) and args is not None and "save_dir" in args and args.get("save_dir") is None:
+            args["save_dir"] = str(default_root_dir or DEFAULT_SAVE_DIR)
 
 
 def tokenizer_source(model_name_or_path: str, gguf_file: Optional[str] = None) -> str:

@@ -23,6 +23,10 @@ from gspo_lightning.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
 log = logging.getLogger(__name__)
 
 
+# the extra prompt stream (dynamic sampling) shuffles with data.seed + this
+EXTRA_STREAM_SEED = 1_000_003
+
+
 class DataError(ValueError):
     """A data file or row cannot be used; the message names the file and line."""
 
@@ -210,6 +214,9 @@ class PromptDataModule(L.LightningDataModule):
         self.batches_consumed = 0
         self.start_batch = 0
         self.train_sampler: Optional[EndlessBatchSampler] = None
+        # the extra prompt stream of dynamic sampling (extra_batch): its own position, resumed too
+        self.extra_batches_consumed = 0
+        self._extra_batches: Optional[Iterator[list[int]]] = None
 
     # -- preparation -------------------------------------------------------------------
     def _get_tokenizer(self):
@@ -377,6 +384,24 @@ class PromptDataModule(L.LightningDataModule):
         batch["index"] = index
         return batch
 
+    def extra_batch(self) -> dict[str, Any]:
+        """The next batch of the extra prompt stream: more prompts for a step that needs them
+        (dynamic sampling). A second pass over the training prompts, shuffled with its own seed
+        and sharded like the main stream; its position is part of :meth:`state_dict`."""
+        if not self.train_rows:
+            raise DataError("extra_batch() needs the training prompts: call setup('fit') first")
+        if self._extra_batches is None:
+            hp = self.hparams
+            world = self.trainer.world_size if self.trainer is not None else 1
+            rank = self.trainer.global_rank if self.trainer is not None else 0
+            self._extra_batches = iter(EndlessBatchSampler(
+                len(self.train_rows), hp.rollout_batch_size // world, rank=rank, world_size=world,
+                shuffle=hp.shuffle, seed=hp.seed + EXTRA_STREAM_SEED, start_batch=self.extra_batches_consumed,
+            ))
+        indices = next(self._extra_batches)
+        self.extra_batches_consumed += 1
+        return self._collate_train([self.train_rows[i] for i in indices])
+
     def val_dataloader(self) -> DataLoader:
         if not self.val_rows:
             return []
@@ -387,10 +412,12 @@ class PromptDataModule(L.LightningDataModule):
 
     # -- resume ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"batches_consumed": self.batches_consumed}
+        return {"batches_consumed": self.batches_consumed, "extra_batches_consumed": self.extra_batches_consumed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.start_batch = self.batches_consumed = int(state_dict.get("batches_consumed", 0))
+        self.extra_batches_consumed = int(state_dict.get("extra_batches_consumed", 0))
+        self._extra_batches = None  # restarts at the restored position
 
 
 _WARNED: set[tuple[str, bool]] = set()

@@ -1,4 +1,8 @@
-"""A CSV logger whose version folder survives a resume.
+"""Loggers that write under the run folder, and a CSV logger whose version folder survives a resume.
+
+``save_dir`` may be left out: the ``gspo`` command fills in ``trainer.default_root_dir``
+(``cli.run_folder_loggers``), so one key moves logs and checkpoints; built in Python
+without one, they write under ``runs``.
 
 Lightning's ``CSVLogger`` deletes ``metrics.csv`` when it opens a version folder that
 already has one, so a run resumed into its own version would lose its history. This one
@@ -10,9 +14,10 @@ resumed ``fit`` at the checkpoint's version folders (``cli.py``).
 from __future__ import annotations
 
 import csv
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 
@@ -37,8 +42,17 @@ class _ContinuingWriter(ExperimentWriter):
         super().save()
 
 
+DEFAULT_SAVE_DIR = "runs"
+
+
 class CSVLogger(LightningCSVLogger):
-    """``lightning.pytorch.loggers.CSVLogger`` that continues ``metrics.csv`` of an existing version."""
+    """``lightning.pytorch.loggers.CSVLogger`` that continues ``metrics.csv`` of an existing
+    version; ``save_dir`` ``None``: the run folder (``trainer.default_root_dir`` with ``gspo``)."""
+
+    def __init__(self, save_dir: Optional[str] = None, name: Optional[str] = "lightning_logs",
+                 version: Optional[Union[int, str]] = None, prefix: str = "", flush_logs_every_n_steps: int = 100):
+        super().__init__(save_dir if save_dir is not None else DEFAULT_SAVE_DIR, name=name, version=version,
+                         prefix=prefix, flush_logs_every_n_steps=flush_logs_every_n_steps)
 
     @property
     def experiment(self) -> ExperimentWriter:
@@ -46,6 +60,16 @@ class CSVLogger(LightningCSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+class TensorBoardLogger(LightningTensorBoardLogger):
+    """``lightning.pytorch.loggers.TensorBoardLogger``; ``save_dir`` ``None``: the run folder."""
+
+    def __init__(self, save_dir: Optional[str] = None, name: Optional[str] = "lightning_logs",
+                 version: Optional[Union[int, str]] = None, log_graph: bool = False, default_hp_metric: bool = True,
+                 prefix: str = "", sub_dir: Optional[str] = None, **kwargs: Any):
+        super().__init__(save_dir if save_dir is not None else DEFAULT_SAVE_DIR, name=name, version=version,
+                         log_graph=log_graph, default_hp_metric=default_hp_metric, prefix=prefix, sub_dir=sub_dir, **kwargs)
 
 
 def logger_identity(logger) -> Optional[dict[str, Any]]:
@@ -58,4 +82,4 @@ def logger_identity(logger) -> Optional[dict[str, Any]]:
             "name": getattr(logger, "name", None), "version": version}
 
 
-__all__ = ["CSVLogger", "logger_identity"]
+__all__ = ["CSVLogger", "TensorBoardLogger", "logger_identity"]

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
@@ -117,6 +118,15 @@ class GSPOModule(L.LightningModule):
         logprob_chunk_size: response tokens projected to the vocabulary at once (``null``:
             the naive full-logits path).
         max_consecutive_nonfinite: stop after this many skipped (non-finite) updates in a row.
+        dynamic_sampling: DAPO's dynamic sampling: generate more rounds of prompts until the step
+            holds ``rollout_batch_size`` groups whose rewards differ (``rollout/dynamic_sampling.py``).
+        max_sampling_rounds: extra generation rounds per step at most; when they run out the
+            step is filled up with zero-variance groups.
+        overlong_filtering: truncated responses (no end before ``response_length``) leave the
+            loss and its denominators (DAPO).
+        skip_zero_advantage: skip the forward and backward of responses with zero advantage
+            when no KL loss or MoE load-balancing loss needs them: the same loss and gradient,
+            less work. Per-update metrics (entropy, clip fractions) then cover the rows trained.
         routing_replay: Mixture-of-Experts only: record the experts each token used in the
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models). MoE policies always log how much routing changed since the old pass.
@@ -189,6 +199,10 @@ class GSPOModule(L.LightningModule):
         old_logprobs: OldLogprobs = "recompute",
         logprob_chunk_size: Optional[int] = 512,
         max_consecutive_nonfinite: int = 3,
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 3,
+        overlong_filtering: bool = False,
+        skip_zero_advantage: bool = True,
         routing_replay: bool = False,
         router_aux_loss_coef: float = 0.0,
         export_on_fit_end: bool = True,
@@ -304,12 +318,14 @@ class GSPOModule(L.LightningModule):
     def configure_callbacks(self):
         from gspo_lightning.plotting import TrainingCurves
         from gspo_lightning.preemption import PreemptionCheckpoint
-        from gspo_lightning.progress import StepProgressBar
+        from gspo_lightning.progress import step_progress_bar
+        from gspo_lightning.summary import run_summary
 
-        callbacks = [TrainingCurves(), PreemptionCheckpoint()]
-        if self.trainer.progress_bar_callback is not None:  # replaces Lightning's bar, not a disabled one
-            callbacks.append(StepProgressBar())
-        return callbacks
+        trainer = self.trainer
+        summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+        # replace Lightning's bar and table (epochs, FLOPs) by ours, of the same kind; a disabled one stays off
+        extra = [step_progress_bar(trainer.progress_bar_callback), run_summary(summaries[0] if summaries else None)]
+        return [TrainingCurves(), PreemptionCheckpoint(), *(c for c in extra if c is not None)]
 
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
@@ -385,6 +401,7 @@ class GSPOModule(L.LightningModule):
             ppo_epochs=hp.ppo_epochs, mini_batch_size=mini, micro_batch_size=micro, world_size=world,
             router_aux_loss_coef=hp.router_aux_loss_coef, routing_replay=hp.routing_replay,
             max_consecutive_nonfinite=hp.max_consecutive_nonfinite,
+            overlong_filtering=hp.overlong_filtering, skip_zero_advantage=hp.skip_zero_advantage,
         )
         state = self.updater.state_dict() if self.updater is not None else self._updater_state
         self.updater = PolicyUpdater(settings, self.step_metrics, self.metric_hooks)
@@ -423,6 +440,21 @@ class GSPOModule(L.LightningModule):
         rollout = self.worker.rollout(batch, seed=seed, device=self.device, evaluation=evaluation)
         rollout.timings.update(sync)
         return rollout
+
+    def _train_rollout(self, batch: dict, seed: int) -> tuple[Rollout, dict[str, float]]:
+        """The step's rollout; with dynamic sampling, refilled with groups whose rewards differ."""
+        if not self.hparams.dynamic_sampling:
+            return self._rollout(batch, seed, evaluation=False), {}
+        from gspo_lightning.rollout.dynamic_sampling import DynamicSampler
+
+        more_prompts = getattr(self.trainer.datamodule, "extra_batch", None)
+        if more_prompts is None or self.sharded:
+            raise ValueError("model.dynamic_sampling needs the PromptDataModule (its extra prompt stream) and an "
+                             "unsharded policy (ranks generate different numbers of rounds): turn it off or use data: "
+                             "PromptDataModule without FSDP")
+        return DynamicSampler(self.hparams.max_sampling_rounds).fill(
+            batch, lambda prompts, round_seed: self._rollout(prompts, round_seed, evaluation=False), more_prompts,
+            seed=seed, pad_token_id=self.tokenizer.pad_token_id)
 
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
         hp = self.hparams
@@ -463,8 +495,10 @@ class GSPOModule(L.LightningModule):
         if self.pipeline is not None:
             rollout, async_stats = self.pipeline.next(self.rollout_steps, batch, self._push_weights)
             async_stats["async/lag_versions"] = float(self.policy_version - rollout.policy_version)
+            sampling_metrics = {}
         else:
-            rollout, async_stats = self._rollout(batch, self.sampling_seed(self.rollout_steps), evaluation=False), {}
+            rollout, sampling_metrics = self._train_rollout(batch, self.sampling_seed(self.rollout_steps))
+            async_stats = {}
             if rollout.policy_version != self.policy_version:
                 raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {self.policy_version}")
         if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
@@ -513,6 +547,8 @@ class GSPOModule(L.LightningModule):
         self.rollout_steps += 1
         self._trained_this_fit = True
         self._log_step(batch, rollout, advantages, time_logprobs, time_train, time.perf_counter() - step_start)
+        for name, value in sampling_metrics.items():
+            self.log(name, value, on_step=True, on_epoch=False, batch_size=rollout.num_responses)
 
     def _off_policy_step(self, rollout: Rollout, trainer_old: Optional[Tensor], stats: dict[str, float]) -> Optional[Tensor]:
         """The importance weights of this rollout (``None``: no correction), its metrics and

@@ -71,6 +71,10 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
         problems.append(f"dual_clip must be > 1 (3 is usual), got {s['dual_clip']}")
     if (s["reward_shift"] or s["reward_scale"]) and s["reward_norm"] is None:
         problems.append("reward_shift / reward_scale act only with a reward_norm: set reward_norm (group, batch or running) or turn them off")
+    if s.get("max_sampling_rounds", 0) < 0:
+        problems.append(f"max_sampling_rounds must be >= 0 (extra generation rounds per step), got {s['max_sampling_rounds']}")
+    if s.get("dynamic_sampling") and G < 2:
+        problems.append("dynamic_sampling keeps groups whose rewards differ: set num_return_sequences_in_group >= 2")
     if s["reward_shift"] and s["reward_scale"]:
         problems.append("reward_shift and reward_scale are exclusive (set neither to both shift and scale)")
     if s["routing_replay"] and s["old_logprobs"] == "engine":
@@ -94,6 +98,9 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
         problems.append(f"top_p must be in (0, 1], got {s['top_p']}")
     if s["top_k"] < 0:
         problems.append(f"top_k must be >= 0 (0: off), got {s['top_k']}")
+    if s.get("dynamic_sampling") and s.get("max_staleness", 0) > 0:
+        problems.append("dynamic_sampling decides a step's extra rounds after seeing its rewards, which a rollout made "
+                        "ahead (max_staleness > 0) cannot: turn one of them off")
     if s.get("max_staleness", 0) < 0:
         problems.append(f"max_staleness must be >= 0 (0: synchronous), got {s['max_staleness']}")
     if s.get("stale_rollouts", "regenerate") not in ("regenerate", "reweight"):

@@ -23,6 +23,7 @@ from torch import Tensor
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.loss import policy_loss
 from gspo_lightning.metrics import StepMetrics
+from gspo_lightning.row_filters import loss_mask, micro_batches, rows_with_advantage
 from gspo_lightning.rollout.worker import Rollout
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class UpdateSettings:
     router_aux_loss_coef: float = 0.0
     routing_replay: bool = False
     max_consecutive_nonfinite: int = 3
+    overlong_filtering: bool = False  # truncated responses leave the loss (row_filters.py)
+    skip_zero_advantage: bool = False  # no forward/backward for rows that add exactly zero (row_filters.py)
 
 
 @dataclass(frozen=True)
@@ -174,9 +177,12 @@ class PolicyUpdater:
         """
         s = self.settings
         num = rollout.num_responses
-        mask = rollout.response_mask
-        lengths = rollout.lengths
+        mask = loss_mask(rollout.response_mask, rollout.truncated, s.overlong_filtering)
+        lengths = mask.sum(-1)
         device = mask.device
+        # a row adds exactly zero to loss and gradient when its advantage is zero and no other term acts
+        exact_zero = s.skip_zero_advantage and s.kl_coef == 0 and s.router_aux_loss_coef == 0
+        teaching = rows_with_advantage(advantages, mask) if exact_zero else None
         steps_taken = 0
         counted = False
         for epoch in range(s.ppo_epochs):
@@ -189,9 +195,9 @@ class PolicyUpdater:
                 ops.zero_grad()
                 step_loss = torch.zeros((), device=device)
                 records = []
-                micro_batches = mini_rows.split(s.micro_batch_size)
-                for index, rows in enumerate(micro_batches):
-                    ops.sync_next_backward(index == len(micro_batches) - 1)  # DDP: overlap the last backward
+                micros = micro_batches(mini_rows, s.micro_batch_size, teaching, same_count=s.world_size > 1)
+                for index, rows in enumerate(micros):
+                    ops.sync_next_backward(index == len(micros) - 1)  # DDP: overlap the last backward
                     logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], router, first)
                     micro_old = old[rows] if old is not None else logprobs.detach()
                     loss, loss_metrics = policy_loss(

@@ -161,7 +161,10 @@ def render() -> str:
     }
     for key, value in TRAINER_DEFAULTS.items():
         parts.append(f"| `{key}` | {format_default(value)} | {why[key]} |")
-    parts += ["| `logger` | CSVLogger + TensorBoardLogger under `runs/` | metrics in standard formats |", "",
+    parts += ["| `logger` | CSVLogger + TensorBoardLogger under `default_root_dir` | metrics in standard formats |", "",
+              "`default_root_dir` is the run folder (`runs` when unset): a logger without a `save_dir` writes there",
+              "(`<default_root_dir>/csv/version_N/`, `<default_root_dir>/tensorboard/version_N/`) and checkpoints go",
+              "to the first logger's `version_N/checkpoints/`, so `--trainer.default_root_dir=DIR` moves them all.", "",
               "`max_steps`, `val_check_interval` and the checkpoint interval count rollout steps (the trainer's step",
               "counter advances once per rollout batch); the optimizer steps are logged as `policy_version`.", "",
               "## `checkpoint:` (lightning.pytorch.callbacks.ModelCheckpoint)", "",

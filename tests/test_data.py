@@ -196,7 +196,7 @@ def test_resume_position_counts_only_batches_that_training_steps_used(dm_factory
         dm.on_after_batch_transfer({}, 0)
     dm.trainer = FakeTrainer(training=False)  # validation batches do not move the position
     dm.on_after_batch_transfer({}, 0)
-    assert dm.state_dict() == {"batches_consumed": 3}
+    assert dm.state_dict() == {"batches_consumed": 3, "extra_batches_consumed": 0}
     resumed = dm_factory(path="builtin:echo", val_size=0)
     resumed.load_state_dict(dm.state_dict())
     assert resumed.start_batch == 3

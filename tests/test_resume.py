@@ -19,7 +19,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_config(folder: Path, max_steps: int, response_length: int = 5) -> Path:
+def any_echo_reward(prompts, completions, target, **columns) -> list[float]:
+    """1 when some judged word echoes the target, else 0: many groups of the untrained model score all 0."""
+    from gspo_lightning.tasks.echo import echo_reward
+
+    return [float(score > 0) for score in echo_reward(prompts, completions, target)]
+
+
+DYNAMIC = {"dynamic_sampling": True, "max_sampling_rounds": 2, "overlong_filtering": True,
+           "rewards": [{"function": "tests.test_resume.any_echo_reward"}]}
+
+
+def write_config(folder: Path, max_steps: int, response_length: int = 5, **model) -> Path:
     config = {
         "seed_everything": 11,
         "trainer": {
@@ -36,6 +47,7 @@ def write_config(folder: Path, max_steps: int, response_length: int = 5) -> Path
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003}},
             "lr_scheduler": {"class_path": "torch.optim.lr_scheduler.LinearLR",
                              "init_args": {"start_factor": 1.0, "end_factor": 0.2, "total_iters": 12}},
+            **model,
         },
         "data": {"path": "builtin:echo", "rollout_batch_size": 4, "prompt_length": 8, "val_size": 0},
     }
@@ -62,13 +74,14 @@ def policy_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.startswith("policy.")}
 
 
-def test_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("model", [{}, DYNAMIC], ids=["plain", "dynamic_sampling"])
+def test_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path, model):
     straight = tmp_path / "straight"
-    main(["fit", "--config", str(write_config(straight, 6))])  # 6 rollout steps of 2 optimizer steps
+    main(["fit", "--config", str(write_config(straight, 6, **model))])  # 6 rollout steps of 2 optimizer steps
 
     resumed = tmp_path / "resumed"
-    main(["fit", "--config", str(write_config(resumed, 3))])
-    main(["fit", "--config", str(write_config(resumed, 6)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
+    main(["fit", "--config", str(write_config(resumed, 3, **model))])
+    main(["fit", "--config", str(write_config(resumed, 6, **model)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
 
     a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
     assert a.keys() == b.keys()
@@ -80,6 +93,10 @@ def test_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     assert sorted(rows_a) == sorted(rows_b) == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
     for version in rows_a:
         assert rows_a[version] == rows_b[version], version
+    if model:  # extra rounds ran and filled steps from the extra prompt stream, resumed at its position
+        extra = [row for row in rows_a.values() if float(row["dynamic_sampling/rounds"]) > 1
+                 and float(row["dynamic_sampling/groups_filled"]) < float(row["dynamic_sampling/groups_dropped"])]
+        assert extra, list(rows_a.values())
 
 
 def wait_for_rows(folder: Path, count: int, proc: subprocess.Popen, timeout: float = 120) -> None:

