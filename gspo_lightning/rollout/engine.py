@@ -75,6 +75,20 @@ class Generation:
         positions = torch.arange(self.completion_ids.shape[1], device=self.completion_ids.device)
         return positions[None, :] < self.lengths[:, None]
 
+    @classmethod
+    def from_lists(cls, tokens: list[list[int]], logprobs: list[list[float]], truncated: list[bool], pad_token_id: int,
+                   weights_version: Optional[int] = None) -> "Generation":
+        """Right-padded tensors from one list of token ids (and their log-probs) per response."""
+        width = max(len(ids) for ids in tokens)
+        completion_ids = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
+        token_logprobs = torch.zeros((len(tokens), width), dtype=torch.float32)
+        for row, (ids, lps) in enumerate(zip(tokens, logprobs)):
+            completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            token_logprobs[row, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        return cls(completion_ids=completion_ids, logprobs=token_logprobs,
+                   lengths=torch.tensor([len(ids) for ids in tokens], dtype=torch.long),
+                   truncated=torch.tensor(truncated, dtype=torch.bool), weights_version=weights_version)
+
 
 @dataclass(frozen=True)
 class EngineSpec:

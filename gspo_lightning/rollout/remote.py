@@ -378,19 +378,10 @@ def chunk_seed(seed: int, k: int) -> int:
 def replies_to_generation(replies: list[dict], pad_token_id: int) -> Generation:
     ids = [row for reply in replies for row in reply["completion_ids"]]
     logprobs = [row for reply in replies for row in reply["logprobs"]]
-    width = max(len(row) for row in ids)
-    completion_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
-    token_logprobs = torch.zeros((len(ids), width), dtype=torch.float32)
-    for i, (row, lps) in enumerate(zip(ids, logprobs)):
-        completion_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        token_logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    truncated = [t for reply in replies for t in reply["truncated"]]
     versions = {reply["version"] for reply in replies}
-    return Generation(
-        completion_ids=completion_ids, logprobs=token_logprobs,
-        lengths=torch.tensor([len(row) for row in ids], dtype=torch.long),
-        truncated=torch.tensor([t for reply in replies for t in reply["truncated"]], dtype=torch.bool),
-        weights_version=min(versions),  # equal by construction (every server is checked)
-    )
+    # one version: equal by construction (every server is checked)
+    return Generation.from_lists(ids, logprobs, truncated, pad_token_id, weights_version=min(versions))
 
 
 # -- a server started by the trainer ---------------------------------------------------------

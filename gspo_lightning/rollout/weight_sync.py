@@ -256,18 +256,7 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
             truncated.append(reason == "length")
     if not tokens:
         raise ValueError("no vLLM outputs to convert")
-    width = max(len(ids) for ids in tokens)
-    completion_ids = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
-    token_logprobs = torch.zeros((len(tokens), width), dtype=torch.float32)
-    for row, (ids, lps) in enumerate(zip(tokens, logprobs)):
-        completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        token_logprobs[row, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    return Generation(
-        completion_ids=completion_ids,
-        logprobs=token_logprobs,
-        lengths=torch.tensor([len(ids) for ids in tokens], dtype=torch.long),
-        truncated=torch.tensor(truncated, dtype=torch.bool),
-    )
+    return Generation.from_lists(tokens, logprobs, truncated, pad_token_id)
 
 
 __all__ = [
