@@ -126,7 +126,8 @@ class GSPOModule(L.LightningModule):
             loss and its denominators (DAPO).
         skip_zero_advantage: skip the forward and backward of responses with zero advantage
             when no KL loss or MoE load-balancing loss needs them: the same loss and gradient,
-            less work. Per-update metrics (entropy, clip fractions) then cover the rows trained.
+            less work. Off by default: per-update metrics (entropy, clip fractions) then cover
+            only the rows trained, and which filler rows run depends on the number of ranks.
         routing_replay: Mixture-of-Experts only: record the experts each token used in the
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models). MoE policies always log how much routing changed since the old pass.
@@ -202,7 +203,7 @@ class GSPOModule(L.LightningModule):
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 3,
         overlong_filtering: bool = False,
-        skip_zero_advantage: bool = True,
+        skip_zero_advantage: bool = False,
         routing_replay: bool = False,
         router_aux_loss_coef: float = 0.0,
         export_on_fit_end: bool = True,
