@@ -267,8 +267,9 @@ def predict(shape: Shape, run: Run, param_shapes: Optional[list[tuple[int, ...]]
         out.states = {"weights": b * own, "optimizer": 2 * b * own}
     if run.strategy == "ddp" and n > 1:
         # torch's DDP Reducer allocates flat gradient buckets for every parameter when it is built
-        # (Lightning's default gradient_as_bucket_view=False), even though the reducer's own sync is off
-        out.states["DDP reducer buckets"] = grads
+        # (gradient_as_bucket_view=False): Lightning's wrapper, whose sync is off, and the policy's
+        # own (distributed.PolicyForward), which syncs
+        out.states["DDP reducer buckets"] = 2 * grads
     if run.reference:  # not trained: weights only
         out.states["reference"] = b * (own if sharded and run.reference_sharded() else total)
     rows = run.local_rows()

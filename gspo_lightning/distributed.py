@@ -77,10 +77,12 @@ class GradientSync:
             from torch.nn.parallel import DistributedDataParallel
 
             # find_unused_parameters: an expert no token of this rank chose still joins the sum
-            # (the search runs once per optimizer step, in the synced forward only);
-            # gradient_as_bucket_view: gradients live in the reducer's buckets, not in a copy beside them
+            # (the search runs once per optimizer step, in the synced forward only).
+            # gradient_as_bucket_view stays off: with it (this wrapper nested in Lightning's DDP
+            # forward, gloo) the 2nd and later optimizer steps sometimes left the ranks with
+            # different "all-reduced" gradients, and runs were not repeatable (tests/test_rollout_server.py)
             ddp = DistributedDataParallel(PolicyForward(policy, logprobs), find_unused_parameters=True,
-                                          broadcast_buffers=False, gradient_as_bucket_view=True)
+                                          broadcast_buffers=False, gradient_as_bucket_view=False)
             return cls("reducer", float(world_size), ddp)
         return cls("strategy", float(world_size))
 
