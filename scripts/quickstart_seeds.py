@@ -42,9 +42,8 @@ def main() -> None:
         folder = Path(args.out) / f"seed{seed}"
         config = yaml.safe_load(Path(args.config).read_text())
         config["seed_everything"] = seed
+        # the run folder: the loggers and checkpoints follow default_root_dir
         config["trainer"].update(default_root_dir=str(folder), enable_progress_bar=False)
-        for logger in config["trainer"]["logger"]:
-            logger["init_args"]["save_dir"] = str(folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "config.yaml"
         path.write_text(yaml.safe_dump(config))
