@@ -75,7 +75,7 @@ def config(folder: Path, *, seed: int, steps: int, k: int, engine: str, method: 
         "model_name_or_path": "builtin:tiny-successor",
         "rewards": [{"function": "gspo_lightning.tasks.successor.successor_reward"}],
         "num_return_sequences_in_group": 8, "response_length": 6, "adv_estimator": "grpo",
-        "loss_agg_mode": "seq-mean-token-mean", "mini_batch_size": 32, "max_staleness": k,
+        "loss_agg_mode": "seq-mean-token-mean", "mini_batch_size": 32, "max_staleness": k, "clip_budget": True,
         "export_on_fit_end": False,
         "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "weight_decay": 0.0}},
         **METHODS[method],

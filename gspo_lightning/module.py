@@ -142,8 +142,8 @@ class GSPOModule(L.LightningModule):
             policy (``offpolicy.OffPolicyCorrection``: ``mode`` decoupled / bypass, ``level``
             seq / token / seq-product, ``method`` truncate / mask, thresholds); ``null``: off.
         clip_budget: log which part of the clipped log-ratio is engine numerics, staleness or
-            the update (``clip_budget/*``). With ``old_logprobs: engine`` this costs one extra
-            no-grad pass per rollout (the trainer's log-probs to split against).
+            the update (``clip_budget/*``). Off by default: with ``old_logprobs: engine`` it costs
+            one extra no-grad pass per rollout (the trainer's log-probs to split against).
         export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
             to ``<log dir>/hf_model`` when ``fit`` ends.
         rollout_seed: base seed of sampling (``null``: the run's ``seed_everything`` seed).
@@ -210,7 +210,7 @@ class GSPOModule(L.LightningModule):
         max_staleness: int = 0,
         stale_rollouts: StaleRollouts = "regenerate",
         off_policy: Optional[OffPolicyCorrection] = None,
-        clip_budget: bool = True,
+        clip_budget: bool = False,
         rollout_seed: Optional[int] = None,
         prompt_length: Optional[int] = None,
         rollout_batch_size: Optional[int] = None,

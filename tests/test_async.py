@@ -156,6 +156,7 @@ def async_config(folder: Path, max_steps: int, max_staleness: int) -> Path:
         "max_staleness": max_staleness,
         "engine": {"class_path": "gspo_lightning.rollout.HFCopyEngine", "init_args": {"dtype": "float32"}},
         "off_policy": {"mode": "decoupled", "level": "seq", "method": "truncate"},
+        "clip_budget": True,
     })
     path.write_text(yaml.safe_dump(config))
     return path
