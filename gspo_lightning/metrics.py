@@ -41,10 +41,13 @@ class StepMetrics(nn.Module):
             metric.update(value)
 
     def compute(self) -> dict[str, float]:
-        """The aggregates updated since the last call, as floats; then reset for the next step."""
+        """The aggregates updated since the last call, as floats, and NaN for every name seen
+        before but not updated since (Lightning's loggers would repeat its last value in
+        every later row otherwise); then reset for the next step."""
         out = {}
         for name in self.kinds:  # same order on every rank: compute() syncs collectively
             if name not in self.updated:
+                out[name] = float("nan")  # not measured this step
                 continue
             metric = self.aggregates[self._key(name)]
             out[name] = float(metric.compute())

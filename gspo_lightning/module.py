@@ -436,6 +436,10 @@ class GSPOModule(L.LightningModule):
         root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
         return self.worker.sync_weights(self.policy_version, lambda: iter_policy_weights(self.policy, root=root))
 
+    def _capture_weights(self):
+        root = getattr(self.trainer.strategy, "model", None)
+        return self.worker.capture_weights(self.policy_version, lambda: iter_policy_weights(self.policy, root=root))
+
     def _rollout(self, batch: dict, seed: int, evaluation: bool) -> Rollout:
         sync = self._push_weights()
         rollout = self.worker.rollout(batch, seed=seed, device=self.device, evaluation=evaluation)
@@ -494,7 +498,7 @@ class GSPOModule(L.LightningModule):
         hp = self.hparams
         step_start = time.perf_counter()
         if self.pipeline is not None:
-            rollout, async_stats = self.pipeline.next(self.rollout_steps, batch, self._push_weights)
+            rollout, async_stats = self.pipeline.next(self.rollout_steps, batch, self._capture_weights)
             async_stats["async/lag_versions"] = float(self.policy_version - rollout.policy_version)
             sampling_metrics = {}
         else:

@@ -21,11 +21,13 @@ class FakeProducer:
         self.threads = set()
 
     def push(self, step):
-        """The weights of ``step`` reach the engine (the pipeline calls this only when idle)."""
+        """The weights capture of ``step``: the returned push makes them reach the engine
+        (the pipeline runs it on the producer, before the next generation)."""
         def push():
             self.weights_step = step
+            self.threads.add(threading.current_thread().name)
             return {"time/weight_sync": 0.0}
-        return push
+        return lambda: (push, {"time/weight_capture": 0.0})
 
     def generate(self, batch, step):
         self.calls.append((step, self.weights_step))
@@ -64,6 +66,46 @@ def test_each_step_trains_on_the_rollout_sampled_k_steps_before(k):
     assert [step for step, _ in producer.calls] == list(range(6 + k))
     assert producer.calls[k + 2] == (k + 2, 2)
     assert all(name.startswith("rollout-producer") for name in producer.threads)
+
+
+def test_the_weight_push_runs_on_the_producer_while_the_step_trains():
+    """The step's path holds only the capture; the push waits in the producer's queue, runs
+    before the generation it precedes, and never while a generation reads the weights."""
+    events = []
+    started = threading.Event()
+    release = threading.Event()
+
+    def generate(batch, step):
+        events.append(("generate", step))
+        if step == 1:  # batch 1 is still generating when step 0 trains
+            started.set()
+            assert release.wait(5)
+        return FakeProducer().generate(batch, step)
+
+    def capture(step):
+        def push():
+            events.append(("push", step, threading.current_thread().name))
+            return {"time/weight_sync": 0.5}
+        def captured():
+            events.append(("capture", step, threading.current_thread().name))
+            return push, {"time/weight_capture": 0.01}
+        return captured
+
+    pipeline = RolloutPipeline(generate, batch_at, max_staleness=1)
+    rollout, stats = pipeline.next(0, batch_at(0), capture(0))
+    assert started.wait(5)
+    # step 0 trains now; batch 1 generates beside it; the push of step 1 must wait for it
+    assert stats["time/weight_capture"] == 0.01 and "time/weight_sync" not in stats
+    assert rollout.timings["time/weight_sync"] == 0.5  # the push that preceded this rollout
+    release.set()
+    pipeline.next(1, batch_at(1), capture(1))
+    pipeline.drain()
+    pipeline.close()
+    main = threading.current_thread().name
+    assert [e[0] for e in events] == ["capture", "push", "generate", "generate", "capture", "push", "generate"]
+    assert [e[1] for e in events] == [0, 0, 0, 1, 1, 1, 2]
+    assert all(e[2] == main for e in events if e[0] == "capture")
+    assert all(e[2].startswith("rollout-producer") for e in events if e[0] == "push")
 
 
 def test_a_rollout_for_other_prompts_is_refused():

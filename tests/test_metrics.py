@@ -41,3 +41,18 @@ def test_every_response_scored_keeps_the_plain_means():
     assert values["reward/sq_mean"] == pytest.approx(0.375)
     assert values["reward/unscored_frac"] == 0.0
     assert values["reward/zero_std_groups"] == pytest.approx(0.5)
+
+
+def test_a_metric_not_measured_this_step_is_nan_not_its_last_value():
+    # Lightning's loggers repeat a key's last logged value in every later row: a step that did not
+    # measure it (no weight push before an asynchronous rollout, say) must say so
+    m = StepMetrics()
+    m.update("time/weight_sync", 0.25)
+    m.update("time/step", 1.0)
+    assert m.compute() == {"time/weight_sync": 0.25, "time/step": 1.0}
+    m.update("time/step", 2.0)
+    values = m.compute()
+    assert values["time/step"] == 2.0 and values["time/weight_sync"] != values["time/weight_sync"]  # NaN
+    m.update("time/weight_sync", 0.5)
+    values = m.compute()
+    assert values["time/weight_sync"] == 0.5 and values["time/step"] != values["time/step"]

@@ -10,12 +10,14 @@ The schedule is fixed, so a run is reproducible and resumable bit for bit on a
 deterministic engine. At the start of step ``t``:
 
 1. wait until the producer is idle (an engine must not receive weights mid-generation);
-2. push the policy's weights (version of step ``t``) to the engine;
+2. copy the policy's weights (version of step ``t``) to host memory;
 3. submit the batches of steps ``t .. t + k`` not yet submitted, in order (batch ``t + k``
-   in steady state; all of them on the first step, which waits for its own);
+   in steady state; all of them on the first step, which waits for its own); the producer
+   first sends the copy to the engine, then generates;
 4. take step ``t``'s rollout: sampled at step ``t - k`` (lag ``k``; less in the first steps).
 
-Step ``t``'s training then overlaps the generation of batch ``t + k``. A rollout whose lag
+Step ``t``'s training then overlaps the weight push and the generation of batch ``t + k``:
+only the copy stays on the step's path. A rollout whose lag
 exceeds ``k`` (after a resume with a smaller ``k``, or from an engine that reports older
 weights) is never silently used or dropped: ``regenerate`` samples it again with the
 current weights, ``reweight`` keeps it for the off-policy correction; both are counted.
@@ -47,6 +49,9 @@ class PendingRollout:
     future: Future
 
 
+WeightsCapture = Callable[[], tuple[Optional[Callable[[], dict[str, float]]], dict[str, float]]]
+
+
 class RolloutPipeline:
     """The producer (one background thread) and the queue of rollouts it made.
 
@@ -73,13 +78,21 @@ class RolloutPipeline:
         self.pending: dict[int, PendingRollout] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
 
-    def _run(self, batch: dict, step: int) -> Future:
+    def _executor(self) -> ThreadPoolExecutor:
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-producer")
-        return self.executor.submit(self.generate, batch, step)
+        return self.executor
 
-    def _submit(self, index: int, sampled_at: int, batch: dict) -> None:
-        future = self._run(batch, index)
+    def _run(self, batch: dict, step: int, push: Optional[Callable[[], dict[str, float]]] = None) -> Future:
+        def job() -> Rollout:
+            timings = push() if push is not None else {}  # the weights first: the producer runs jobs in order
+            rollout = self.generate(batch, step)
+            rollout.timings.update(timings)
+            return rollout
+        return self._executor().submit(job)
+
+    def _submit(self, index: int, sampled_at: int, batch: dict, push: Optional[Callable[[], dict[str, float]]]) -> None:
+        future = self._run(batch, index, push)
         self.pending[index] = PendingRollout(index, sampled_at, [list(p) for p in batch["prompt_ids"]], future)
 
     def drain(self) -> float:
@@ -89,17 +102,24 @@ class RolloutPipeline:
             pending.future.result()
         return time.perf_counter() - start
 
-    def next(self, step: int, batch: dict, push_weights: Callable[[], dict[str, float]]) -> tuple[Rollout, dict[str, float]]:
+    def next(self, step: int, batch: dict, capture_weights: WeightsCapture) -> tuple[Rollout, dict[str, float]]:
         """Step ``step``'s rollout (``batch`` is that step's prompts, as the loader gave them)
-        and the pipeline's metrics for the step."""
+        and the pipeline's metrics for the step.
+
+        ``capture_weights() -> (push, timings)`` copies the policy's current weights and
+        returns the push that sends the copy (``None``: the engine has them already), as
+        :meth:`RolloutWorker.capture_weights` does; the producer runs the push."""
         index = int(batch.get("index", step))
         waited = self.drain()
-        timings = dict(push_weights())
+        push, timings = capture_weights()
         for skipped in [i for i in self.pending if i < index]:  # batches a failed step consumed
             del self.pending[skipped]
         for ahead in range(index, index + self.max_staleness + 1):
             if ahead not in self.pending:
-                self._submit(ahead, step, batch if ahead == index else self.batch_at(ahead))
+                self._submit(ahead, step, batch if ahead == index else self.batch_at(ahead), push)
+                push = None
+        if push is not None:  # nothing new to generate (all queued already): the engine still gets the weights
+            self._executor().submit(push).result()
         pending = self.pending.pop(index)
         start = time.perf_counter()
         rollout = pending.future.result()
@@ -113,11 +133,11 @@ class RolloutPipeline:
             stats["async/out_of_window"] = 1.0
             if self.stale_rollouts == "regenerate":
                 self.drain()  # the engine holds this step's weights; the queued batches go first
-                rollout = self._run(batch, index).result()
+                rollout = self._run(batch, index).result()  # the engine got this step's weights above
                 stats["async/regenerated"] = 1.0
                 stats["async/lag"] = 0.0
         stats["time/wait_rollout"] = waited
-        rollout.timings.update(timings)
+        stats.update(timings)
         return rollout, stats
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -168,4 +188,4 @@ def rollout_from_dict(state: dict[str, Any], device: torch.device) -> Rollout:
     return Rollout(**{k: on_device(v) for k, v in state.items()})
 
 
-__all__ = ["PendingRollout", "RolloutPipeline", "StaleRollouts", "rollout_from_dict", "rollout_to_dict"]
+__all__ = ["PendingRollout", "RolloutPipeline", "StaleRollouts", "WeightsCapture", "rollout_from_dict", "rollout_to_dict"]

@@ -131,6 +131,31 @@ class RolloutWorker:
         stats = self.transport.send(self.engine, weights(), version)
         return {"time/weight_sync": stats["seconds"], "weight_sync/bytes": float(stats.get("bytes", 0.0))}
 
+    def capture_weights(self, version: int, weights: Callable[[], WeightsIterator]
+                        ) -> tuple[Optional[Callable[[], dict[str, float]]], dict[str, float]]:
+        """A CPU copy of the weights of ``version`` taken now, and the push that sends it later.
+
+        For a producer thread (``max_staleness >= 1``): the copy is taken on the training
+        thread between optimizer steps (gathering sharded weights is a collective), and the
+        slow part, sending it to the engine (files, HTTP, the engine's load), runs beside the
+        next update. Returns ``(push, timings)``; ``push`` is ``None`` when the engine holds
+        these weights already. The copy costs one full set of weights in host memory until
+        it is sent."""
+        if self.engine.shares_policy_weights:
+            raise ValueError(f"{type(self.engine).__name__} samples from the policy's own weights: nothing to capture")
+        if not self.engine.needs_weights(version):
+            return None, {}
+        start = time.perf_counter()
+        copy = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights()]
+        captured = time.perf_counter() - start
+
+        def push() -> dict[str, float]:
+            stats = self.transport.send(self.engine, iter(copy), version)
+            copy.clear()  # sent: the host memory goes back
+            return {"time/weight_sync": stats["seconds"], "weight_sync/bytes": float(stats.get("bytes", 0.0))}
+
+        return push, {"time/weight_capture": captured}
+
     def rollout(self, batch: dict, *, seed: int, device: torch.device, evaluation: bool = False) -> Rollout:
         """Generate and score responses for a batch of prompts from the data module."""
         group_size = self.eval_group_size if evaluation else self.group_size
