@@ -48,7 +48,9 @@ class GSPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         from jsonargparse import Namespace
 
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # a plain class group (not add_lightning_class_args): instantiate_trainer adds the callback
+        # itself, and only when checkpointing is on
+        parser.add_class_arguments(ModelCheckpoint, "checkpoint", fail_untyped=False, sub_configs=True)
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 50,
@@ -75,12 +77,13 @@ class GSPOCLI(LightningCLI):
             continue_log_versions(self.config.fit.trainer.logger, self.config.fit.ckpt_path)
 
     def instantiate_trainer(self, **kwargs):
-        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
-        callbacks = [self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
-        if trainer_config.get("enable_checkpointing") is False:
-            # --trainer.enable_checkpointing=false means no checkpoints, not a clash with ours
-            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
-        return self._instantiate_trainer(trainer_config, callbacks)
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        trainer = {**config.get("trainer", {}), **kwargs}
+        # --trainer.enable_checkpointing=false means no checkpoints, not a clash with ours
+        if trainer.get("enable_checkpointing") is not False:
+            callbacks = trainer.get("callbacks") or []
+            kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), config.get("checkpoint")]
+        return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
         existing = {Path(d) for d in self._log_dirs()}

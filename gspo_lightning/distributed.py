@@ -3,17 +3,18 @@
 A GSPO step runs many backwards inside one ``training_step``, so DDP's reducer around the
 LightningModule (whose one forward is the whole step) cannot sync them. Under DDP the
 policy's log-prob forward gets a DDP wrapper of its own (:class:`PolicyForward`): every
-micro-batch but an optimizer step's last runs with ``require_backward_grad_sync`` off (what
-``no_sync`` does), and the last one's backward all-reduces the accumulated gradients bucket
-by bucket while backward is still running (it overlaps). DDP averages over ranks, and so do
+micro-batch but an optimizer step's last runs inside DDP's ``no_sync()``, and the last
+one's backward all-reduces the accumulated gradients bucket by bucket while backward is
+still running (it overlaps). DDP averages over ranks, and so do
 sharded strategies (FSDP, FSDP2, DeepSpeed); our losses already divide by global counts, so
 the loss is scaled by the world size to turn their average into the sum we need.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,9 @@ class GradientSync:
         if deepspeed:
             return cls("deepspeed", float(world_size))
         if isinstance(strategy, DDPStrategy):
-            strategy.model.require_backward_grad_sync = False  # Lightning's reducer: the step is one forward
+            # Lightning's reducer stays off for the whole fit (its one forward is a whole step):
+            # no_sync() is a context around one forward and backward, and Lightning has no public switch
+            strategy.model.require_backward_grad_sync = False
             if policy is None or logprobs is None:
                 return cls("manual", 1.0)
             from torch.nn.parallel import DistributedDataParallel
@@ -86,11 +89,12 @@ class GradientSync:
             return cls("reducer", float(world_size), ddp)
         return cls("strategy", float(world_size))
 
-    def sync_next_backward(self, last: bool) -> None:
-        """``reducer`` mode: the next forward's backward all-reduces only when it is an optimizer
-        step's last micro-batch (``no_sync`` for the others)."""
-        if self.policy_forward is not None:
-            self.policy_forward.require_backward_grad_sync = last
+    def accumulate(self, last: bool) -> ContextManager:
+        """The context of one micro-batch's forward and backward: in ``reducer`` mode DDP's
+        ``no_sync()`` unless it is its optimizer step's ``last`` (whose backward all-reduces)."""
+        if self.policy_forward is None or last:
+            return contextlib.nullcontext()
+        return self.policy_forward.no_sync()
 
     def reduce(self, params: Iterable[nn.Parameter], finite: bool, device: torch.device) -> bool:
         """Sum gradients over ranks (``manual`` mode) in flat buckets, unless ``finite`` (already
@@ -108,10 +112,10 @@ class GradientSync:
                 bucket.append(grad)
                 size += grad.numel() * grad.element_size()
             if bucket and (grad is None or size >= BUCKET_BYTES):
-                flat = torch._utils._flatten_dense_tensors(bucket)
+                flat = torch.cat([g.reshape(-1) for g in bucket])
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                for g, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                    g.copy_(synced)
+                for g, synced in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    g.copy_(synced.view_as(g))
                 bucket, size = [], 0
         return True
 

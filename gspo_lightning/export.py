@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,6 +25,17 @@ def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
     tokenizer.save_pretrained(out)
     check_auto_tokenizer(tokenizer, out)
     return out
+
+
+def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, is_global_zero: bool) -> None:
+    """``export_on_fit_end``: the policy saved into ``folder`` by rank 0; a sharded policy is
+    not gathered here (a warning: export from the checkpoint)."""
+    if sharded:
+        warnings.warn("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
+        return
+    if is_global_zero:
+        save_policy(policy, tokenizer, folder)
+        print(f"policy exported to {folder}")
 
 
 def check_auto_tokenizer(tokenizer, folder: Path) -> bool:

@@ -84,3 +84,19 @@ def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     valid = rollout.response_mask
     m.update("advantage/mean", advantages[valid].mean() if valid.any() else 0.0, valid.sum())
     m.update("reward/errors", float(rollout.reward_errors), kind="max")
+
+
+def step_values(metrics: StepMetrics, rollout, advantages: Tensor, timings: dict[str, float], elapsed: float) -> dict[str, float]:
+    """Everything a training step logs from its aggregates: the rollout's (:func:`record_rollout`),
+    the phases' ``timings``, the step's time and throughput, then every aggregate of the step
+    (computed, which resets them), with ``reward/std`` from the mean and the mean square."""
+    record_rollout(metrics, rollout, advantages)
+    for name, value in timings.items():
+        metrics.update(name, value)
+    metrics.update("time/step", elapsed)
+    metrics.update("perf/samples_per_s", rollout.num_responses / elapsed)
+    metrics.update("perf/tokens_per_s", rollout.attention_mask.sum() / elapsed)
+    values = metrics.compute()
+    sq_mean = values.pop("reward/sq_mean")
+    values["reward/std"] = max(0.0, sq_mean - values["reward/mean"] ** 2) ** 0.5
+    return values

@@ -2,17 +2,26 @@
 
 One ``training_step`` turns a batch of prompts into updates:
 
-1. rollout: push new weights to the engine, generate ``G`` responses per prompt, score them
-   (``rollout/worker.py``)
-2. log-prob passes needed before any update (old policy, reference), no grad
+1. rollout, from the rollout source ``max_staleness`` chose (``rollout/source.py``): sampled
+   now with the current weights (``0``), or generated ahead on a producer thread (``k >= 1``)
+2. log-prob passes needed before any update (old policy, reference), no grad; the off-policy
+   weights (``offpolicy.py``) and the clip budget's split (``clip_budget.py``)
 3. rewards -> advantages (``advantages.py``)
-4. the updates: ``ppo_epochs`` x mini-batches x micro-batches (``update.py``)
-5. metrics -> loggers. ``policy_version`` counts optimizer steps; the trainer's step
-   counter (``max_steps``, the progress bar, the logs) counts rollout steps.
+4. the updates: ``ppo_epochs`` x mini-batches x micro-batches (``update.py``), every optimizer
+   call through the strategy (``strategy_ops.py``)
+5. metrics -> loggers
 
-With ``max_staleness > 0`` step 1 takes a rollout generated ahead on a background thread
-(``rollout/pipeline.py``); the off-policy correction (``offpolicy.py``) and the clip budget
-(``clip_budget.py``) are components the step calls with explicit tensors.
+Three counters, one meaning each (docs/architecture.md):
+
+- ``policy_version``: optimizer steps taken, the version of the policy's weights. A rollout
+  carries the version that sampled it; staleness in versions and the logs' ``policy_version``
+  column read it.
+- ``rollout_steps``: training steps run (rollout batches trained on). Sampling seeds and the
+  asynchronous schedule count it. Checkpoints store both (``checkpoint["gspo"]``).
+- ``trainer.global_step`` (Lightning's): rollout steps that took at least one optimizer step;
+  ``max_steps``, the progress bar, the logs' ``step`` column, validation and checkpoint
+  intervals count it. It equals ``rollout_steps`` unless a step skipped all its updates
+  (non-finite losses), which Lightning does not count.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import lightning as L
 import torch
@@ -35,25 +44,27 @@ from torch import Tensor
 
 from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
 from gspo_lightning.clip_budget import ClipBudget
-from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum, deepspeed_grad_norm
+from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.evaluation import record_eval_rollout
 from gspo_lightning.loggers import logger_identity
 from gspo_lightning.logprobs import response_logprobs
 from gspo_lightning.loss_scaling import LossScaling
-from gspo_lightning.metrics import StepMetrics, record_rollout
+from gspo_lightning.metrics import StepMetrics, step_values
 from gspo_lightning.gguf_models import resolve_model
 from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
-from gspo_lightning.offpolicy import OffPolicyCorrection, correct
+from gspo_lightning.offpolicy import OffPolicyCorrection, importance_weights
 from gspo_lightning.options import (
     AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, RewardNorm,
     clip_range, validate_gspo_settings,
 )
 from gspo_lightning.rewards.base import RewardComposer, RewardSpec
 from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine, RolloutWorker, SamplingParams
-from gspo_lightning.rollout.pipeline import RolloutPipeline, StaleRollouts
+from gspo_lightning.rollout.pipeline import StaleRollouts
+from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.update import MetricHook, PolicyUpdater, UpdateOps, UpdateSettings, plan_batches
+from gspo_lightning.strategy_ops import StrategyOps
+from gspo_lightning.update import MetricHook, PolicyUpdater, update_settings
 
 __all__ = ["GSPOModule", "NonFiniteError"]
 
@@ -248,7 +259,7 @@ class GSPOModule(L.LightningModule):
         )
         self.policy = None
         self.reference = None
-        self.router = None  # gspo_lightning.moe.RoutingRecorder for MoE policies
+        self.routing_recorder = None  # MoE policies: gspo_lightning.moe.RoutingRecorder (experts chosen per token)
         self.running_rewards = RunningMoments()
         self.step_metrics = StepMetrics()
         self.val_metrics = StepMetrics()
@@ -259,8 +270,8 @@ class GSPOModule(L.LightningModule):
         self.sharded = False  # parameters split over ranks (FSDP2)
         self._chunked_logprobs = True  # the decoder and the head may be called separately
         self._updater_state: dict[str, int] = {}
-        self.pipeline: Optional[RolloutPipeline] = None  # max_staleness > 0: rollouts made ahead
-        self._pending_rollouts: Optional[dict] = None  # from a checkpoint, for the pipeline
+        self.rollouts: Optional[RolloutSource] = None  # where training rollouts come from (rollout/source.py)
+        self._pending_rollouts: Optional[dict] = None  # from a checkpoint, for the rollout source
         self._trained_this_fit = False
 
     # -- models ------------------------------------------------------------------------
@@ -282,14 +293,13 @@ class GSPOModule(L.LightningModule):
         self.policy.config.use_cache = False
         if self.needs_reference:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy (FSDP2)
-        if mesh is not None:
-            self._fully_shard(mesh)
+        if self.device_mesh is not None:  # set by ModelParallelStrategy (FSDP2)
+            self._fully_shard(self.device_mesh)
         config = self.policy.config
         if hp.routing_replay or hp.router_aux_loss_coef > 0 or getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
             from gspo_lightning.moe import RoutingRecorder
 
-            self.router = RoutingRecorder(self.policy)
+            self.routing_recorder = RoutingRecorder(self.policy)
 
     def _fully_shard(self, mesh) -> None:
         """FSDP2: the policy and the frozen reference, sharded alike (``sharding.py``)."""
@@ -331,43 +341,32 @@ class GSPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
         if self.hparams.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
-            self._build_updater(self.hparams.rollout_batch_size)
+            self._build_updater(self.hparams.rollout_batch_size, self.trainer.world_size)
         self._start_worker()
-        if self.hparams.max_staleness > 0:
-            self._start_pipeline()
+        self.rollouts = self._rollout_source(self.hparams.max_staleness, fit=True)
 
-    def _start_pipeline(self) -> None:
+    def _rollout_source(self, max_staleness: int, fit: bool) -> RolloutSource:
         hp = self.hparams
-        engine = self.worker.engine
-        if engine.shares_policy_weights:
-            raise ValueError(f"max_staleness={hp.max_staleness} generates while the policy trains, but {type(engine).__name__} "
-                             f"samples from the policy's own weights: use an engine with its own copy "
-                             f"(gspo_lightning.rollout.HFCopyEngine with dtype float32, or VLLMEngine) or max_staleness: 0")
-        batch_at = getattr(self.trainer.datamodule, "train_batch", None)
-        if batch_at is None:
-            raise ValueError("max_staleness > 0 reads the prompt batches of future steps with the data module's "
-                             "train_batch(index): use gspo_lightning.data.PromptDataModule (or give yours that method)")
-        self.pipeline = RolloutPipeline(self._producer_rollout, batch_at, hp.max_staleness, hp.stale_rollouts)
-        if self._pending_rollouts is not None:
-            self.pipeline.load_state_dict(self._pending_rollouts, self.device)
+        root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
+        source = rollout_source(
+            self.worker, lambda: iter_policy_weights(self.policy, root=root), self.device, self.sampling_seed,
+            max_staleness=max_staleness, stale_rollouts=hp.stale_rollouts, datamodule=self.trainer.datamodule,
+            dynamic_sampling_rounds=hp.max_sampling_rounds if fit and hp.dynamic_sampling else None,
+            sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
+            behaviour_logprobs=self._logprobs_no_grad if self.clip_budget is not None else None,
+        )
+        if self._pending_rollouts is not None:  # what the checkpoint's run generated ahead
+            source.load_state_dict(self._pending_rollouts, self.device)
             self._pending_rollouts = None
-
-    def _producer_rollout(self, batch: dict, index: int) -> Rollout:
-        """On the producer thread: a training rollout, and, when the engine is an exact float32
-        copy of the policy, the trainer's log-probs at the sampling weights (the clip budget's o_b)."""
-        rollout = self.worker.rollout(batch, seed=self.sampling_seed(index), device=self.device, evaluation=False)
-        engine = self.worker.engine
-        if self.clip_budget is not None and getattr(engine, "dtype", None) == "float32" and getattr(engine, "weight_quantization", 1) is None:
-            rollout.behaviour_trainer_logprobs = self._logprobs_no_grad(engine.model, rollout)
-        return rollout
+        return source
 
     def teardown(self, stage: str) -> None:
-        if self.pipeline is not None:
-            self.pipeline.close()
+        if self.rollouts is not None:
+            self.rollouts.close()
 
     def on_validation_start(self) -> None:
-        if self.pipeline is not None:  # the engine gets the current weights for evaluation: idle first
-            self.pipeline.drain()
+        if self.rollouts is not None:  # the engine gets the current weights for evaluation: idle first
+            self.rollouts.drain()
         self._start_worker()
 
     def on_test_start(self) -> None:
@@ -386,24 +385,9 @@ class GSPOModule(L.LightningModule):
             lockstep=(lambda done: all_ranks_true(done, self.device)) if self.sharded else None,
         ))
 
-    def _build_updater(self, prompts_per_step: int) -> None:
-        hp = self.hparams
-        world = self.trainer.world_size if self._trainer is not None else 1
-        mini, micro = plan_batches(
-            prompts_per_step, world, group_size=hp.num_return_sequences_in_group, num_mini_batches=hp.num_mini_batches,
-            mini_batch_size=hp.mini_batch_size, micro_batch_size=hp.micro_batch_size, ppo_epochs=hp.ppo_epochs,
-            warn_no_clip=hp.old_logprobs == "recompute" and self.rollout_steps == 0,
-            tokens_per_response=(hp.prompt_length or 0) + hp.response_length,
-        )
-        settings = UpdateSettings(
-            importance_sampling=hp.importance_sampling, clip_low=self.clip_low, clip_high=self.clip_high,
-            dual_clip=hp.dual_clip if hp.dual_clip_loss else None, loss_agg_mode=hp.loss_agg_mode,
-            kl_coef=hp.kl_loss_coef if hp.use_kl_loss else 0.0, kl_estimator=hp.kl_estimator, horizon=hp.response_length,
-            ppo_epochs=hp.ppo_epochs, mini_batch_size=mini, micro_batch_size=micro, world_size=world,
-            router_aux_loss_coef=hp.router_aux_loss_coef, routing_replay=hp.routing_replay,
-            max_consecutive_nonfinite=hp.max_consecutive_nonfinite,
-            overlong_filtering=hp.overlong_filtering, skip_zero_advantage=hp.skip_zero_advantage,
-        )
+    def _build_updater(self, prompts_per_step: int, world: int = 1) -> None:
+        settings = update_settings(self.hparams, prompts_per_step, world, clip_low=self.clip_low, clip_high=self.clip_high,
+                                   warn_no_clip=self.hparams.old_logprobs == "recompute" and self.rollout_steps == 0)
         state = self.updater.state_dict() if self.updater is not None else self._updater_state
         self.updater = PolicyUpdater(settings, self.step_metrics, self.metric_hooks)
         self.updater.load_state_dict(state)
@@ -414,52 +398,17 @@ class GSPOModule(L.LightningModule):
             # Lightning restores the step after on_fit_start, then finds nothing to do: say so, export nothing
             raise ValueError(f"the run is already at step {step} and trainer.max_steps={max_steps}: nothing to train. "
                              f"To continue from this checkpoint, set --trainer.max_steps above {step}")
-        if not self.hparams.export_on_fit_end:
-            return
-        folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
-        if self.sharded:
-            warnings.warn("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
-            return
-        if self.trainer.is_global_zero:
-            from gspo_lightning.export import save_policy
+        if self.hparams.export_on_fit_end:
+            from gspo_lightning.export import export_after_fit
 
-            save_policy(self.policy, self.tokenizer, folder)
-            print(f"policy exported to {folder}")
+            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
+            export_after_fit(self.policy, self.tokenizer, folder, sharded=self.sharded, is_global_zero=self.trainer.is_global_zero)
 
     # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
         base = self.hparams.rollout_seed if self.hparams.rollout_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-        rank = self.global_rank if self._trainer is not None else 0
+        rank = self.global_rank  # 0 without a trainer
         return ((base * 1_000_003 + step) * 1031 + rank) % (2**63 - 1)
-
-    def _push_weights(self) -> dict[str, float]:
-        root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
-        return self.worker.sync_weights(self.policy_version, lambda: iter_policy_weights(self.policy, root=root))
-
-    def _capture_weights(self):
-        root = getattr(self.trainer.strategy, "model", None)
-        return self.worker.capture_weights(self.policy_version, lambda: iter_policy_weights(self.policy, root=root))
-
-    def _rollout(self, batch: dict, seed: int, evaluation: bool) -> Rollout:
-        sync = self._push_weights()
-        rollout = self.worker.rollout(batch, seed=seed, device=self.device, evaluation=evaluation)
-        rollout.timings.update(sync)
-        return rollout
-
-    def _train_rollout(self, batch: dict, seed: int) -> tuple[Rollout, dict[str, float]]:
-        """The step's rollout; with dynamic sampling, refilled with groups whose rewards differ."""
-        if not self.hparams.dynamic_sampling:
-            return self._rollout(batch, seed, evaluation=False), {}
-        from gspo_lightning.rollout.dynamic_sampling import DynamicSampler
-
-        more_prompts = getattr(self.trainer.datamodule, "extra_batch", None)
-        if more_prompts is None or self.sharded:
-            raise ValueError("model.dynamic_sampling needs the PromptDataModule (its extra prompt stream) and an "
-                             "unsharded policy (ranks generate different numbers of rounds): turn it off or use data: "
-                             "PromptDataModule without FSDP")
-        return DynamicSampler(self.hparams.max_sampling_rounds).fill(
-            batch, lambda prompts, round_seed: self._rollout(prompts, round_seed, evaluation=False), more_prompts,
-            seed=seed, pad_token_id=self.tokenizer.pad_token_id)
 
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
         hp = self.hparams
@@ -482,7 +431,7 @@ class GSPOModule(L.LightningModule):
             # inference_mode is leaner than no_grad, but MoE routing records must stay ordinary
             # tensors (used again under autograd in replay), and FSDP2 keeps buffers it creates in
             # the first forward (inference tensors would break the next training forward)
-            with torch.no_grad() if self.router is not None or self.sharded else torch.inference_mode():
+            with torch.no_grad() if self.routing_recorder is not None or self.sharded else torch.inference_mode():
                 logprobs = torch.cat([self._logprobs(model, rollout, chunk)[0] for chunk in rows.split(micro)])
         finally:
             model.train(was_training)
@@ -497,28 +446,19 @@ class GSPOModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         hp = self.hparams
         step_start = time.perf_counter()
-        if self.pipeline is not None:
-            rollout, async_stats = self.pipeline.next(self.rollout_steps, batch, self._capture_weights)
-            async_stats["async/lag_versions"] = float(self.policy_version - rollout.policy_version)
-            sampling_metrics = {}
-        else:
-            rollout, sampling_metrics = self._train_rollout(batch, self.sampling_seed(self.rollout_steps))
-            async_stats = {}
-            if rollout.policy_version != self.policy_version:
-                raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {self.policy_version}")
+        rollout, source_stats = self.rollouts.next(self.rollout_steps, batch, self.policy_version)
         if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
-            self._build_updater(len(batch["prompt_ids"]) * self.trainer.world_size)
-        s = self.updater.settings
+            self._build_updater(len(batch["prompt_ids"]) * self.trainer.world_size, self.trainer.world_size)
 
         # passes before any update
         start = time.perf_counter()
-        if self.router is not None:
-            self.router.clear()
+        if self.routing_recorder is not None:
+            self.routing_recorder.clear()
         old = None
         if hp.old_logprobs == "engine":
             old = rollout.engine_logprobs
         elif self._needs_old_pass(rollout.num_responses):
-            with self.router.record() if self.router is not None else contextlib.nullcontext():
+            with self.routing_recorder.record() if self.routing_recorder is not None else contextlib.nullcontext():
                 old = self._logprobs_no_grad(self.policy, rollout)
         # the trainer's own log-probs at this update's start (o): the old policy, or for the
         # clip budget / off-policy metrics beside the engine's old policy (bypass)
@@ -527,9 +467,15 @@ class GSPOModule(L.LightningModule):
             trainer_old = self._logprobs_no_grad(self.policy, rollout)
         ref = self._logprobs_no_grad(self.reference, rollout) if self.reference is not None else None
         time_logprobs = time.perf_counter() - start
-        is_weights = self._off_policy_step(rollout, trainer_old, async_stats)
+        for name, value in source_stats.items():
+            self.step_metrics.update(name, value)
+        if self.clip_budget is not None:  # a metric hook: splits each clip of this rollout's updates by cause
+            self.clip_budget.begin(old=trainer_old, behaviour=rollout.engine_logprobs,
+                                   behaviour_old=rollout.behaviour_trainer_logprobs, old_is_behaviour=hp.old_logprobs == "engine",
+                                   same_weights=rollout.policy_version == self.policy_version)
+        is_weights = importance_weights(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy, self.step_metrics)
 
-        scores, advantages = rewards_to_advantages(
+        _, advantages = rewards_to_advantages(
             rollout.rewards, rollout.response_mask, rollout.group_size,
             adv_estimator=hp.adv_estimator, reward_norm=hp.reward_norm, reward_shift=hp.reward_shift,
             reward_scale=hp.reward_scale, reward_clip=hp.reward_clip, running=self.running_rewards,
@@ -544,77 +490,21 @@ class GSPOModule(L.LightningModule):
         forward = self.grad_sync.policy_forward  # DDP: the policy's own wrapper, which syncs in backward
         if forward is None:
             forward = lambda *args: self._logprobs(self.policy, *args)  # noqa: E731
+        scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
+        ops = StrategyOps(self, self.trainer.strategy, self.optimizers(), self.lr_schedulers(), list(self.policy.parameters()),
+                          self.grad_sync, scaling, hp.max_grad_norm)
         self.policy_version += self.updater.run(
-            rollout, advantages, old, ref, lambda rows: forward(rollout, rows), self._update_ops(),
-            router=self.router, generator=generator, is_weights=is_weights,
+            rollout, advantages, old, ref, lambda rows: forward(rollout, rows), ops,
+            routing_recorder=self.routing_recorder, generator=generator, is_weights=is_weights,
         )
         time_train = time.perf_counter() - start
         self.rollout_steps += 1
         self._trained_this_fit = True
         self._log_step(batch, rollout, advantages, time_logprobs, time_train, time.perf_counter() - step_start)
-        for name, value in sampling_metrics.items():
-            self.log(name, value, on_step=True, on_epoch=False, batch_size=rollout.num_responses)
-
-    def _off_policy_step(self, rollout: Rollout, trainer_old: Optional[Tensor], stats: dict[str, float]) -> Optional[Tensor]:
-        """The importance weights of this rollout (``None``: no correction), its metrics and
-        the clip budget's tensors. ``trainer_old`` is ``o``, or ``None`` when the first
-        forward is the old policy (one update per rollout, recompute)."""
-        for name, value in stats.items():
-            self.step_metrics.update(name, value)
-        synchronous = rollout.policy_version == self.policy_version
-        if self.clip_budget is not None:
-            self.clip_budget.begin(old=trainer_old, behaviour=rollout.engine_logprobs,
-                                   behaviour_old=rollout.behaviour_trainer_logprobs,
-                                   old_is_behaviour=self.hparams.old_logprobs == "engine", same_weights=synchronous)
-        if self.off_policy is None or trainer_old is None:
-            return None
-        correction = correct(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy)
-        for name, value in correction.metrics.items():
-            self.step_metrics.update(f"off_policy/{name}", value, kind="max" if name == "weight_max" else "mean")
-        return correction.weights
-
-    def _update_ops(self) -> UpdateOps:
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        sync = self.grad_sync
-        scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
-
-        def uncounted_step() -> None:  # an optimizer step that leaves trainer.global_step alone
-            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
-
-        def step(count: bool) -> Optional[Tensor]:
-            if count:  # through Lightning's wrapper: advances trainer.global_step once per rollout
-                optimizer.step()
-            else:
-                uncounted_step()
-            if scheduler is not None:
-                scheduler.step()
-            return deepspeed_grad_norm(self.trainer.strategy.deepspeed_engine) if sync.mode == "deepspeed" else None
-
-        return UpdateOps(
-            backward=lambda loss: self.manual_backward(loss * sync.loss_scale),
-            zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
-            reduce_gradients=lambda finite: sync.reduce(self.policy.parameters(), finite, self.device),
-            clip_gradients=lambda: scaling.clip_grad_norm(self.policy.parameters(), self.hparams.max_grad_norm, sync, self.device),
-            step=step,
-            all_reduce_sum=all_reduce_sum,
-            skip_overflow=lambda: scaling.skip_overflow(uncounted_step),
-            sync_next_backward=sync.sync_next_backward,
-        )
 
     def _log_step(self, batch, rollout: Rollout, advantages: Tensor, time_logprobs: float, time_train: float, elapsed: float) -> None:
-        m = self.step_metrics
-        record_rollout(m, rollout, advantages)
-        m.update("time/logprobs", time_logprobs)
-        m.update("time/train", time_train)
-        for name, value in rollout.timings.items():
-            m.update(name, value)
-        m.update("time/step", elapsed)
-        m.update("perf/samples_per_s", rollout.num_responses / elapsed)
-        m.update("perf/tokens_per_s", rollout.attention_mask.sum() / elapsed)
-        values = m.compute()
-        sq_mean = values.pop("reward/sq_mean")
-        values["reward/std"] = max(0.0, sq_mean - values["reward/mean"] ** 2) ** 0.5
+        timings = {"time/logprobs": time_logprobs, "time/train": time_train, **rollout.timings}
+        values = step_values(self.step_metrics, rollout, advantages, timings, elapsed)
         values["policy_version"] = float(self.policy_version)
         values["skipped_updates"] = float(self.updater.skipped_updates)
         values["lr"] = float(self.optimizers().param_groups[0]["lr"])
@@ -635,7 +525,9 @@ class GSPOModule(L.LightningModule):
         self._eval_step(batch, batch_idx, "test")
 
     def _eval_step(self, batch: dict, batch_idx: int, stage: str) -> None:
-        rollout = self._rollout(batch, self.sampling_seed(10_000_000 + batch_idx), evaluation=True)
+        if self.rollouts is None:  # gspo validate / test: no fit built one
+            self.rollouts = self._rollout_source(0, fit=False)
+        rollout = self.rollouts.rollout(batch, self.sampling_seed(10_000_000 + batch_idx), self.policy_version, evaluation=True)
         record_eval_rollout(self.val_metrics, stage, rollout.rewards, rollout.lengths, rollout.group_size,
                             self.hparams.accuracy_threshold)
 
@@ -670,8 +562,9 @@ class GSPOModule(L.LightningModule):
             "loggers": [identity for identity in map(logger_identity, self.trainer.loggers) if identity],
             **(self.updater.state_dict() if self.updater is not None else self._updater_state),
         }
-        if self.pipeline is not None:  # what was generated but not trained on yet
-            checkpoint["gspo"]["pending_rollouts"] = self.pipeline.state_dict()
+        pending = self.rollouts.state_dict() if self.rollouts is not None else None
+        if pending is not None:  # what was generated but not trained on yet
+            checkpoint["gspo"]["pending_rollouts"] = pending
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.reference is not None:
@@ -685,6 +578,6 @@ class GSPOModule(L.LightningModule):
             if self.updater is not None:
                 self.updater.load_state_dict(self._updater_state)
             self._pending_rollouts = state.get("pending_rollouts")
-            if self.pipeline is not None and self._pending_rollouts is not None:
-                self.pipeline.load_state_dict(self._pending_rollouts, self.device)
+            if self.rollouts is not None and self._pending_rollouts is not None:
+                self.rollouts.load_state_dict(self._pending_rollouts, self.device)
                 self._pending_rollouts = None

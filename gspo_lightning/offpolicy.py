@@ -160,6 +160,19 @@ def correct(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, corr
     return Correction(weights=bounded if correction.mode == "decoupled" else None, metrics=metrics)
 
 
+def importance_weights(old_logprobs: Optional[Tensor], behaviour_logprobs: Tensor, mask: Tensor,
+                       correction: Optional[OffPolicyCorrection], metrics) -> Optional[Tensor]:
+    """One rollout's weights for the update (``None``: no correction set, bypass, or no trainer
+    log-probs ``o`` to weigh against), with their metrics added to ``metrics`` (a
+    ``StepMetrics``) as ``off_policy/*``."""
+    if correction is None or old_logprobs is None:
+        return None
+    result = correct(old_logprobs, behaviour_logprobs, mask, correction)
+    for name, value in result.metrics.items():
+        metrics.update(f"off_policy/{name}", value, kind="max" if name == "weight_max" else "mean")
+    return result.weights
+
+
 def weight_metrics(bounded: Tensor, raw: Tensor, flags: Tensor) -> dict[str, float]:
     n = bounded.numel()
     if n == 0:
@@ -182,5 +195,5 @@ def effective_sample_size(weights: Tensor) -> float:
 
 __all__ = [
     "BoundMethod", "Correction", "CorrectionMode", "OffPolicyCorrection", "WeightLevel", "bound_weights",
-    "check_correction", "correct", "effective_sample_size", "log_weights", "weight_metrics",
+    "check_correction", "correct", "effective_sample_size", "importance_weights", "log_weights", "weight_metrics",
 ]

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -71,30 +71,76 @@ class MicroBatch:
 MetricHook = Callable[[MicroBatch], Mapping[str, tuple[Number, Number]]]
 
 
-@dataclass(frozen=True)
 class UpdateOps:
-    """The optimizer side of an update, provided by the training strategy.
+    """The optimizer side of an update: every call :class:`PolicyUpdater` makes on the
+    gradients, the optimizer and the other ranks. Per optimizer step, in this order:
 
-    ``step(count)``: one optimizer (and scheduler) step; ``count`` marks the step that
-    advances the trainer's step counter (one per rollout); it returns the gradient norm when
-    the strategy measured it in the step (DeepSpeed), else ``None``. ``reduce_gradients(finite)``
-    sums gradients over ranks where the strategy does not; ``finite`` is already agreed by
-    every rank, and it returns whether the step may go on. ``all_reduce_sum`` sums a tensor
-    over ranks (identity on one process). ``clip_gradients()`` returns the gradient norm in
-    unscaled units. ``skip_overflow()``, under a loss scaler (fp16), hands a step whose
-    gradients overflowed to the scaler, which skips it and lowers its scale; it returns the
-    new scale (``None``: no loss scaler). ``sync_next_backward(last)`` says whether the next
-    micro-batch is its optimizer step's last (DDP syncs gradients in that backward only).
+    1. ``all_reduce_sum(counts)``: the step's loss denominators summed over ranks;
+    2. ``zero_grad()``;
+    3. per micro-batch: ``with accumulate(last):`` forward, loss, ``backward(loss)``;
+    4. ``all_reduce_sum(non_finite)`` (one finite check per step), ``reduce_gradients(finite)``,
+       ``clip_gradients()``;
+    5. ``step(counted)``; or, after a non-finite loss or gradient, ``skip_overflow()`` and
+       ``zero_grad()``.
+
+    This class is the plain one-process version on a torch optimizer (tests, scripts);
+    ``strategy_ops.StrategyOps`` routes the same calls through a Lightning strategy (DDP,
+    FSDP, DeepSpeed, fp16 loss scaling).
+
+    Args:
+        params: the trained parameters.
+        optimizer: steps them (``None``: ``step`` steps nothing, for callers that only read gradients).
+        scheduler: stepped after every optimizer step.
+        max_grad_norm: ``clip_gradients`` clips the total norm to this (``None``: measures only).
     """
 
-    backward: Callable[[Tensor], None]
-    zero_grad: Callable[[], None]
-    reduce_gradients: Callable[[bool], bool]
-    clip_gradients: Callable[[], Tensor]
-    step: Callable[[bool], Optional[Tensor]]
-    all_reduce_sum: Callable[[Tensor], Tensor]
-    skip_overflow: Callable[[], Optional[float]] = lambda: None
-    sync_next_backward: Callable[[bool], None] = lambda last: None
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: Optional[torch.optim.Optimizer] = None,
+                 scheduler=None, max_grad_norm: Optional[float] = None):
+        self.params = list(params)
+        self.optimizer, self.scheduler, self.max_grad_norm = optimizer, scheduler, max_grad_norm
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over ranks (identity on one process)."""
+        return tensor
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def accumulate(self, last: bool) -> ContextManager:
+        """The context of one micro-batch's forward and backward; ``last``: the optimizer
+        step's last micro-batch (DDP syncs gradients in that backward only)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (already divided by the step's global counts)."""
+        loss.backward()
+
+    def reduce_gradients(self, finite: bool) -> bool:
+        """Sum gradients over ranks where the strategy does not; ``finite`` is already agreed by
+        every rank. Returns whether the step may go on."""
+        return finite
+
+    def clip_gradients(self) -> Tensor:
+        """The total gradient norm (in unscaled units), after clipping to ``max_grad_norm``."""
+        grads = [p for p in self.params if p.grad is not None]
+        limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+        return torch.nn.utils.clip_grad_norm_(grads, limit).detach()
+
+    def step(self, counted: bool) -> Optional[Tensor]:
+        """One optimizer and scheduler step. ``counted`` marks the step that advances the
+        trainer's step counter (the first of each rollout). Returns the gradient norm when
+        the strategy measured it in the step (DeepSpeed), else ``None``."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return None
+
+    def skip_overflow(self) -> Optional[float]:
+        """Under a loss scaler (fp16): hand a step whose gradients overflowed to the scaler,
+        which skips it and lowers its scale; returns the new scale (``None``: no loss scaler)."""
+        return None
 
 
 # micro_batch_size: null holds at most this many tokens (prompt + response width) per forward
@@ -136,6 +182,28 @@ def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini
     return mini, micro
 
 
+def update_settings(config: Mapping, prompts_per_step: int, world: int, *, clip_low: float, clip_high: float,
+                    warn_no_clip: bool = False) -> UpdateSettings:
+    """The update loop's settings from a module's config (``GSPOModule``'s arguments): the
+    batch plan of :func:`plan_batches` for ``prompts_per_step`` prompts over ``world`` ranks,
+    and the loss with its resolved clip range."""
+    c = config
+    mini, micro = plan_batches(
+        prompts_per_step, world, group_size=c["num_return_sequences_in_group"], num_mini_batches=c["num_mini_batches"],
+        mini_batch_size=c["mini_batch_size"], micro_batch_size=c["micro_batch_size"], ppo_epochs=c["ppo_epochs"],
+        warn_no_clip=warn_no_clip, tokens_per_response=(c["prompt_length"] or 0) + c["response_length"],
+    )
+    return UpdateSettings(
+        importance_sampling=c["importance_sampling"], clip_low=clip_low, clip_high=clip_high,
+        dual_clip=c["dual_clip"] if c["dual_clip_loss"] else None, loss_agg_mode=c["loss_agg_mode"],
+        kl_coef=c["kl_loss_coef"] if c["use_kl_loss"] else 0.0, kl_estimator=c["kl_estimator"], horizon=c["response_length"],
+        ppo_epochs=c["ppo_epochs"], mini_batch_size=mini, micro_batch_size=micro, world_size=world,
+        router_aux_loss_coef=c["router_aux_loss_coef"], routing_replay=c["routing_replay"],
+        max_consecutive_nonfinite=c["max_consecutive_nonfinite"],
+        overlong_filtering=c["overlong_filtering"], skip_zero_advantage=c["skip_zero_advantage"],
+    )
+
+
 class PolicyUpdater:
     """Runs the optimizer steps of one rollout and keeps the non-finite-skip state."""
 
@@ -163,7 +231,7 @@ class PolicyUpdater:
         policy_logprobs: Callable[[Tensor], tuple[Tensor, Tensor]],
         ops: UpdateOps,
         *,
-        router=None,
+        routing_recorder=None,
         generator: Optional[torch.Generator] = None,
         is_weights: Optional[Tensor] = None,
     ) -> int:
@@ -171,8 +239,8 @@ class PolicyUpdater:
 
         ``policy_logprobs(rows) -> (logprobs, entropy)`` runs the policy with grad on rows
         of the rollout. ``old`` is ``None`` when exactly one update follows a recompute (the
-        first forward's own log-probs are the old ones). ``router`` is the MoE
-        ``RoutingRecorder`` when the policy has experts. ``is_weights`` (``(N,)`` or
+        first forward's own log-probs are the old ones). ``routing_recorder`` is the
+        MoE ``RoutingRecorder`` when the policy has experts (``moe.py``). ``is_weights`` (``(N,)`` or
         ``(N, T)``) are off-policy importance weights multiplying the surrogate (``offpolicy.py``).
         """
         s = self.settings
@@ -197,26 +265,26 @@ class PolicyUpdater:
                 records = []
                 micros = micro_batches(mini_rows, s.micro_batch_size, teaching, same_count=s.world_size > 1)
                 for index, rows in enumerate(micros):
-                    ops.sync_next_backward(index == len(micros) - 1)  # DDP: overlap the last backward
-                    logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], router, first)
-                    micro_old = old[rows] if old is not None else logprobs.detach()
-                    loss, loss_metrics = policy_loss(
-                        logprobs, micro_old, advantages[rows], mask[rows],
-                        importance_sampling=s.importance_sampling, clip_low=s.clip_low, clip_high=s.clip_high,
-                        dual_clip=s.dual_clip, loss_agg_mode=s.loss_agg_mode,
-                        ref_logprobs=ref[rows] if ref is not None else None,
-                        kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
-                        num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
-                        is_weights=is_weights[rows] if is_weights is not None else None,
-                    )
-                    if aux_loss is not None:
-                        # a mean per micro-batch, weighed by its share of the step's responses over
-                        # ALL ranks: the gradients are summed over ranks, so this sums to the mean
-                        share = len(rows) / (len(mini_rows) * s.world_size)
-                        loss = loss + s.router_aux_loss_coef * aux_loss * share
-                    # a non-finite loss runs its backward too: every rank takes as many (sharded
-                    # backwards are collective), and the step is skipped below on all ranks at once
-                    ops.backward(loss)
+                    with ops.accumulate(last=index == len(micros) - 1):  # DDP: sync (overlapped) in the last backward
+                        logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], routing_recorder, first)
+                        micro_old = old[rows] if old is not None else logprobs.detach()
+                        loss, loss_metrics = policy_loss(
+                            logprobs, micro_old, advantages[rows], mask[rows],
+                            importance_sampling=s.importance_sampling, clip_low=s.clip_low, clip_high=s.clip_high,
+                            dual_clip=s.dual_clip, loss_agg_mode=s.loss_agg_mode,
+                            ref_logprobs=ref[rows] if ref is not None else None,
+                            kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
+                            num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
+                            is_weights=is_weights[rows] if is_weights is not None else None,
+                        )
+                        if aux_loss is not None:
+                            # a mean per micro-batch, weighed by its share of the step's responses over
+                            # ALL ranks: the gradients are summed over ranks, so this sums to the mean
+                            share = len(rows) / (len(mini_rows) * s.world_size)
+                            loss = loss + s.router_aux_loss_coef * aux_loss * share
+                        # a non-finite loss runs its backward too: every rank takes as many (sharded
+                        # backwards are collective), and the step is skipped below on all ranks at once
+                        ops.backward(loss)
                     step_loss += loss.detach()  # no host sync per micro-batch
                     records.append((MicroBatch(rows, logprobs.detach(), micro_old, advantages[rows], mask[rows],
                                                loss_metrics, s), entropy))
@@ -241,17 +309,17 @@ class PolicyUpdater:
         return steps_taken
 
     # -- pieces --------------------------------------------------------------------------
-    def _forward(self, policy_logprobs, rows: Tensor, attention_mask: Tensor, router, first: bool):
-        """The policy's log-probs with grad; with an MoE router also the routing change since
+    def _forward(self, policy_logprobs, rows: Tensor, attention_mask: Tensor, recorder, first: bool):
+        """The policy's log-probs with grad; with an MoE routing recorder also the routing change since
         the old-policy pass (measured before a replay overrides it) and the load-balancing loss."""
         s = self.settings
-        if router is None:
+        if recorder is None:
             return (*policy_logprobs(rows), None)
         with contextlib.ExitStack() as stack:
-            change = stack.enter_context(router.measure(rows)) if router.has_record and not first else None
+            change = stack.enter_context(recorder.measure(rows)) if recorder.has_record and not first else None
             if s.routing_replay:
-                stack.enter_context(router.replay(rows))
-            capture = stack.enter_context(router.capture_router_logits()) if s.router_aux_loss_coef > 0 else None
+                stack.enter_context(recorder.replay(rows))
+            capture = stack.enter_context(recorder.capture_router_logits()) if s.router_aux_loss_coef > 0 else None
             logprobs, entropy = policy_logprobs(rows)
         if change is not None and change.value is not None:
             self.metrics.update("moe/routing_change", change.value)
@@ -329,4 +397,4 @@ class PolicyUpdater:
             )
 
 
-__all__ = ["MetricHook", "MicroBatch", "PolicyUpdater", "UpdateOps", "UpdateSettings", "plan_batches"]
+__all__ = ["MetricHook", "MicroBatch", "PolicyUpdater", "UpdateOps", "UpdateSettings", "plan_batches", "update_settings"]

@@ -132,11 +132,12 @@ def test_without_an_extra_prompt_stream_the_error_says_what_to_change():
 
     import pytest
 
-    from gspo_lightning.module import GSPOModule
+    from gspo_lightning.rollout.source import rollout_source
 
-    module = GSPOModule("builtin:tiny-echo", rewards=[{"function": "gspo_lightning.tasks.echo.echo_reward"}],
-                        dynamic_sampling=True)
-    module._trainer = SimpleNamespace(datamodule=None)  # e.g. prompts from a plain DataLoader
-    with pytest.raises(ValueError, match="dynamic_sampling needs the PromptDataModule"):
-        module._train_rollout({"prompt_ids": [[1]]}, seed=0)
-    module._trainer = None
+    worker = SimpleNamespace(engine=None)
+    with pytest.raises(ValueError, match="dynamic_sampling needs the PromptDataModule"):  # e.g. prompts from a plain DataLoader
+        rollout_source(worker, lambda: iter(()), torch.device("cpu"), lambda step: step, datamodule=None,
+                       dynamic_sampling_rounds=3)
+    with pytest.raises(ValueError, match="an unsharded policy"):  # ranks would generate different numbers of rounds
+        rollout_source(worker, lambda: iter(()), torch.device("cpu"), lambda step: step,
+                       datamodule=SimpleNamespace(extra_batch=lambda: {}), dynamic_sampling_rounds=3, sharded=True)

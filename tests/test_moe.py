@@ -473,7 +473,7 @@ def fit_moe(tmp_path, max_steps=3, **overrides):
 def test_grpo_with_routing_replay_trains_in_a_trainer(tmp_path):
     module, trainer = fit_moe(tmp_path, max_steps=2, routing_replay=True, importance_sampling="token",
                               router_aux_loss_coef=0.01)
-    assert module.router is not None and module.router.has_record
+    assert module.routing_recorder is not None and module.routing_recorder.has_record
     assert module.policy_version == 4 and module.rollout_steps == 2  # 16 responses / 8 per mini-batch
     metrics = trainer.callback_metrics
     for key in ("reward/mean", "loss/clip_frac", "grad_norm"):

@@ -36,12 +36,11 @@ def run_updater(s, rollout, advantages, theta, ref=None):
         seen.extend(rows.tolist())
         return theta[rows], torch.zeros(len(rows), theta.shape[1])
 
-    def step(count):
-        grads.append(theta.grad.clone() if theta.grad is not None else None)
+    class Recording(UpdateOps):  # one process, no optimizer: each step keeps its gradient
+        def step(self, counted):
+            grads.append(theta.grad.clone() if theta.grad is not None else None)
 
-    ops = UpdateOps(backward=lambda loss: loss.backward(), zero_grad=lambda: setattr(theta, "grad", None),
-                    reduce_gradients=lambda finite: finite, clip_gradients=lambda: torch.tensor(0.0), step=step,
-                    all_reduce_sum=lambda t: t)
+    ops = Recording([theta])
     metrics = StepMetrics()
     old = theta.detach().clone()
     PolicyUpdater(s, metrics).run(rollout, advantages, old, ref, policy_logprobs, ops)
@@ -122,9 +121,11 @@ def tiny_policy_update(tiny_echo, skip, kl_coef=0.0, mini=8, micro=3, advantages
         return response_logprobs(model, ids[rows], attention[rows], p, chunk_size=None)
 
     params = [q for q in model.parameters() if q.requires_grad]
-    ops = UpdateOps(backward=lambda loss: loss.backward(), zero_grad=lambda: model.zero_grad(set_to_none=True),
-                    reduce_gradients=lambda finite: finite, clip_gradients=lambda: torch.tensor(0.0),
-                    step=lambda count: grads.append([q.grad.clone() for q in params]), all_reduce_sum=lambda t: t)
+    class Recording(UpdateOps):  # one process, no optimizer: each step keeps its gradients
+        def step(self, counted):
+            grads.append([q.grad.clone() for q in params])
+
+    ops = Recording(params)
     with torch.no_grad():
         old = response_logprobs(model, ids, attention, p, chunk_size=None)[0] - 0.01  # ratios away from 1
     ref = old + 0.05 if kl_coef else None

@@ -26,23 +26,29 @@ def run(micro_batch_size: int, advantages: torch.Tensor, measured=None):
     theta = torch.nn.Parameter(torch.linspace(-1.0, -0.5, N * T).view(N, T))
     calls = {"all_reduce": 0, "backward": 0, "step": 0, "last": []}
 
-    def all_reduce_sum(t):
-        calls["all_reduce"] += 1
-        return t.clone()
+    class Recording(UpdateOps):
+        def all_reduce_sum(self, t):
+            calls["all_reduce"] += 1
+            return t.clone()
 
-    def backward(loss):
-        calls["backward"] += 1
-        loss.backward()
+        def accumulate(self, last):
+            calls["last"].append(last)
+            return super().accumulate(last)
 
-    def step(count):
-        calls["step"] += 1
-        with torch.no_grad():
-            theta.sub_(0.1 * theta.grad)
-        return measured
+        def backward(self, loss):
+            calls["backward"] += 1
+            loss.backward()
 
-    ops = UpdateOps(backward=backward, zero_grad=lambda: setattr(theta, "grad", None),
-                    reduce_gradients=lambda finite: finite, clip_gradients=lambda: theta.grad.norm() if theta.grad is not None else torch.tensor(0.0),
-                    step=step, all_reduce_sum=all_reduce_sum, sync_next_backward=calls["last"].append)
+        def clip_gradients(self):
+            return theta.grad.norm() if theta.grad is not None else torch.tensor(0.0)
+
+        def step(self, counted):
+            calls["step"] += 1
+            with torch.no_grad():
+                theta.sub_(0.1 * theta.grad)
+            return measured
+
+    ops = Recording([theta])
     settings = UpdateSettings(importance_sampling="seq", clip_low=0.2, clip_high=0.2, dual_clip=None,
                               loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, kl_estimator="k3", horizon=T,
                               ppo_epochs=1, mini_batch_size=4, micro_batch_size=micro_batch_size,

@@ -149,7 +149,7 @@ def _grad_free_mode(model: nn.Module, sharded: bool):
     autograd's version counters and view tracking on every op (~6% of a small model's decode
     step). Hooked models (DeepSpeed ZeRO-3 gathering, MoE routing records) and sharded ones
     create tensors in a forward that must stay ordinary for the next training forward."""
-    hooked = any(kv_decode._hooked(m) for m in model.modules())
+    hooked = any(kv_decode.has_forward_hooks(m) for m in model.modules())
     return torch.no_grad() if hooked or sharded else torch.inference_mode()
 
 

@@ -241,9 +241,10 @@ class _FusedLayer:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
         plain = all(_plain_linear(p) for p in (*projections, attn.o_proj, gate, up, down))
-        if not plain or any(p.bias is not None for p in (gate, up, down)) or not hasattr(mlp, "act_fn") or _hooked(mlp):
+        if not plain or any(p.bias is not None for p in (gate, up, down)) or not hasattr(mlp, "act_fn") or has_forward_hooks(mlp):
             return None
-        if _hooked(attn) or _hooked(layer) or (hasattr(attn, "q_norm") and (_hooked(attn.q_norm) or _hooked(attn.k_norm))):
+        qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
+        if any(has_forward_hooks(m) for m in (attn, layer, *qk_norms)):
             return None
         qkv = torch.cat([p.weight for p in projections]).detach()
         gate_up = torch.cat([gate.weight, up.weight]).detach()
@@ -268,16 +269,18 @@ def _fold_norm(norm: nn.Module, weight: Tensor) -> tuple[Callable[[Tensor], Tens
     return (lambda x: _norm(norm, x)), weight
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether hooks run around ``module``'s forward (ZeRO-3 gathering, MoE routing records):
+    then its weights or outputs are not what a fused copy would compute."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)  # torch has no public accessor for them
 
 
 def _plain_linear(module) -> bool:
-    return type(module) is nn.Linear and not _hooked(module)
+    return type(module) is nn.Linear and not has_forward_hooks(module)
 
 
 def _plain_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__ in _RMS_NORMS and getattr(module, "variance_epsilon", None) is not None and not _hooked(module)
+    return type(module).__name__ in _RMS_NORMS and getattr(module, "variance_epsilon", None) is not None and not has_forward_hooks(module)
 
 
 def _unit_rms(x: Tensor, eps: float) -> Tensor:
@@ -308,4 +311,4 @@ def _norm(module: nn.Module, x: Tensor) -> Tensor:
 _RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 
 
-__all__ = ["KVDecoder", "supports"]
+__all__ = ["KVDecoder", "has_forward_hooks", "supports"]
