@@ -4,6 +4,7 @@ One command regenerates ``docs/results/async/`` (``summary.json``, stamped with 
 and ``README.md``)::
 
     python experiments/async_staleness.py --out docs/results/async            # ~40 min on 2 loaded cores
+    python experiments/async_staleness.py --only staleness --out docs/results/async  # the staleness table alone
     python experiments/async_staleness.py --smoke --out /tmp/async-smoke      # every arm, 2 steps
 
 Two experiments on the quickstart task (``builtin:successor``, ``builtin:tiny-successor``
@@ -202,8 +203,8 @@ def readme(summary: dict) -> str:
         "How to read them, and what they show: [docs/async.md](../../async.md#measured).", "",
         f"- commit `{s['commit']}` (tracked files changed at the time: {', '.join(s['dirty']) or 'none'})",
         f"- command `{s['command']}`, wall time {s.get('wall_min', '?')} min",
-        f"- {s['cpus']} CPUs, load average at start {[round(x, 2) for x in s['load_at_start']]} (a shared, loaded machine: "
-        "timings are provisional; compare arms within a seed)", "",
+        f"- {s['cpus']} CPUs, load average at start {[round(x, 2) for x in s['load_at_start']]} (on a shared machine "
+        "timings are provisional: compare arms within a seed)", "",
     ]
     if summary["speed"]:
         lines += ["## Speed: seconds per rollout step (mean after 3 warm-up steps) and final reward (mean of the last 5 steps)", "",
@@ -218,6 +219,10 @@ def readme(summary: dict) -> str:
                          f"{statistics.mean(ratios):.2f}x | {avg(seeds, 'time/generate', 'time/score')} | {avg(seeds, 'time/wait_rollout')} | "
                          f"{avg(seeds, 'time/train')} | {rewards} |")
         lines.append("")
+    else:
+        lines += ["## Speed", "", "Not in this run (`--only staleness`): the speed of `max_staleness: 1` against the "
+                  "synchronous loop is measured on the full quickstart by `benchmarks/bench_async.py` "
+                  "(`bench_async.json` here, the table in [docs/async.md](../../async.md#measured)).", ""]
     if summary["staleness"]:
         lines += ["## Staleness: final reward and clip fraction by cause (means over seeds)", "",
                   "`clip` is the clip fraction (sequences for GSPO, tokens for GRPO); numerics / staleness / update are "
