@@ -28,8 +28,8 @@ def test_runs_are_read_and_tabled_per_arm(tmp_path):
                "dynamic_sampling/rounds": 3.0, "time/step": 20.0}
     fake_run(tmp_path / "on", [dynamic, dynamic], [[0, 0.04], [2, 0.30]])
 
-    off = experiment.read_run(tmp_path / "off", wall_s=120.0)
-    on = experiment.read_run(tmp_path / "on", wall_s=60.0)
+    off = experiment.read_run(tmp_path / "off", {"wall_s": 120.0, "commit": "a" * 40})
+    on = experiment.read_run(tmp_path / "on", {"wall_s": 60.0})
     # accuracy at each validation with the training seconds summed up to it
     assert off["val_accuracy"] == [{"step": 0, "accuracy": 0.04, "train_seconds": 0.0},
                                    {"step": 2, "accuracy": 0.10, "train_seconds": 40.0}]
@@ -45,5 +45,6 @@ def test_runs_are_read_and_tabled_per_arm(tmp_path):
     assert "| dynamic: rounds | 3 | 3 | 3.00 |" in text and "| off: rounds | 1 | 1 | 1.00 |" in text
     assert "| off: s/step (generate) | 10 (2) | 30 (2) | 20 (2) |" in text
     assert "| dynamic: zero-variance share | 0.60 | 0.60 | 0.60 |" in text
+    assert "- off ran at commit `aaaaaaaaaa`" in text and "- dynamic ran at commit `?`" in text
     experiment.plot(summary, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000
