@@ -18,6 +18,18 @@ def test_heldout_pairs_are_fixed_and_never_in_training_rows():
     assert row == {"prompt": f"What is {a} + {b}? Answer with only the number.", "answer": str(a + b)}
 
 
+def test_two_digit_heldout_pairs_are_fixed_and_never_in_training_rows():
+    heldout, _ = read_rows("builtin:addition-2digit-heldout", seed=5)
+    assert heldout == read_rows("builtin:addition-2digit-heldout", seed=77)[0] and len(heldout) == 50
+    train, _ = read_rows("builtin:addition-2digit", num_builtin_rows=3000, seed=11)
+    assert len(train) == 3000 and train != read_rows("builtin:addition-2digit", num_builtin_rows=3000, seed=12)[0]
+    heldout_prompts = {r["prompt"] for r in heldout}
+    assert not {r["prompt"] for r in train} & heldout_prompts
+    for row in train[:50] + heldout:  # two-digit operands, the sum as the answer
+        a, b = (int(x) for x in row["prompt"][len("What is "):-len("? Answer with only the number.")].split(" + "))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and row["answer"] == str(a + b)
+
+
 def test_the_reward_is_the_last_integer_and_strict():
     completions = ["12", "The answer is 12.", "7 + 5 = 12", "12 is wrong, it is 13", "twelve", "", "7 + 5 =",
                    "1,2", "-12"]

@@ -54,6 +54,46 @@ def test_select_groups_repads_prompts_left_and_responses_right():
     assert merged.timings == {"time/generate": 2.0}
 
 
+def test_every_per_row_field_of_a_kept_group_comes_from_its_own_round():
+    # two rounds of 2 groups x 2 rows, widths 2 and 3; every per-row field is tagged with
+    # (round, row) so a row copied from the wrong round or position shows
+    a = make_rollout([[7]] * 4, [[1, 2], [3, 0], [4, 4], [5, 0]], [1.0, 0.0, 0.0, 1.0], 2, "a")
+    b = make_rollout([[9]] * 4, [[6, 0, 0], [7, 7, 7], [8, 0, 0], [9, 9, 0]], [0.5, 0.0, 1.0, 0.0], 2, "b")
+    a.truncated, b.truncated = torch.tensor([False, True, True, False]), torch.tensor([True, False, False, True])
+    a.scored, b.scored = None, torch.tensor([True, False, True, True])  # round 0 scored every row
+    a.reward_components = {"r": torch.tensor([100.0, 101.0, 102.0, 103.0])}
+    b.reward_components = {"r": torch.tensor([200.0, 201.0, 202.0, 203.0])}
+    a.behaviour_trainer_logprobs = torch.tensor([[-0.1, -0.2], [-0.3, 0.0], [-0.4, -0.5], [-0.6, 0.0]])
+    b.behaviour_trainer_logprobs = torch.tensor([[-1.1, 0, 0], [-1.2, -1.3, -1.4], [-1.5, 0, 0], [-1.6, -1.7, 0]])
+    a.reward_errors, b.reward_errors = 1, 2
+
+    merged = select_groups([a, b], [(0, 1), (1, 0), (1, 1)], PAD)  # a's group 1, then b's groups 0 and 1
+
+    assert merged.completions == ["ac2", "ac3", "bc0", "bc1", "bc2", "bc3"]
+    assert merged.rewards.tolist() == [0.0, 1.0, 0.5, 0.0, 1.0, 0.0]
+    assert merged.truncated.tolist() == [True, False, True, False, False, True]
+    assert merged.scored.tolist() == [True, True, True, False, True, True]
+    assert merged.reward_components["r"].tolist() == [102.0, 103.0, 200.0, 201.0, 202.0, 203.0]
+    assert merged.engine_logprobs.tolist() == [[-4, -4, 0], [-5, 0, 0], [-6, 0, 0], [-7, -7, -7], [-8, 0, 0], [-9, -9, 0]]
+    assert merged.lengths.tolist() == [2, 1, 1, 3, 1, 2]
+    assert torch.allclose(merged.behaviour_trainer_logprobs, torch.tensor(
+        [[-0.4, -0.5, 0], [-0.6, 0, 0], [-1.1, 0, 0], [-1.2, -1.3, -1.4], [-1.5, 0, 0], [-1.6, -1.7, 0]]))
+    assert merged.reward_errors == 3
+
+    b.behaviour_trainer_logprobs = None  # one round without them: the merged rollout has none
+    assert select_groups([a, b], [(0, 1), (1, 0)], PAD).behaviour_trainer_logprobs is None
+
+
+def test_rounds_of_different_policy_versions_are_refused():
+    import pytest
+
+    a = make_rollout([[7]] * 2, [[1], [2]], [1.0, 0.0], 2, "a")
+    b = make_rollout([[7]] * 2, [[1], [2]], [1.0, 0.0], 2, "b")
+    b.policy_version = 1
+    with pytest.raises(ValueError, match="same group size and policy version"):
+        select_groups([a, b], [(0, 0), (1, 0)], PAD)
+
+
 class FakeRounds:
     """Round k returns the rewards listed for it; records the seeds and prompt batches asked for."""
 

@@ -46,13 +46,19 @@ def _pad_to(tensor: Tensor, width: int, value, left: bool) -> Tensor:
 
 def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_token_id: int) -> Rollout:
     """One rollout of the groups ``picks`` = ``[(rollout index, group index), ...]``, in that
-    order; prompts are re-padded on the left and responses on the right to common widths."""
+    order; prompts are re-padded on the left and responses on the right to common widths.
+    Every per-row field of a kept group comes from its own round."""
     first = rollouts[0]
     g = first.group_size
+    if any(r.group_size != g or r.policy_version != first.policy_version for r in rollouts):
+        raise ValueError("select_groups merges rounds of one step: every rollout must have the same group size and policy "
+                         f"version, got {[(r.group_size, r.policy_version) for r in rollouts]}")
+    # the trainer's log-probs at the sampling weights exist for a round or not; mixed, none are kept
+    with_behaviour = all(r.behaviour_trainer_logprobs is not None for r in rollouts)
     prompt_width = max(rollouts[i].prompt_width for i, _ in picks)
     response_width = max(rollouts[i].response_mask.shape[1] for i, _ in picks)
     parts: dict[str, list] = {k: [] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                                             "engine_logprobs", "rewards", "truncated", "scored")}
+                                             "engine_logprobs", "behaviour", "rewards", "truncated", "scored")}
     components: dict[str, list[Tensor]] = {k: [] for k in first.reward_components}
     prompts, completions = [], []
     for index, group in picks:
@@ -64,6 +70,8 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
         parts["response_ids"].append(_pad_to(r.input_ids[rows, p:], response_width, pad_token_id, left=False))
         parts["response_mask"].append(_pad_to(r.response_mask[rows], response_width, False, left=False))
         parts["engine_logprobs"].append(_pad_to(r.engine_logprobs[rows], response_width, 0.0, left=False))
+        if with_behaviour:
+            parts["behaviour"].append(_pad_to(r.behaviour_trainer_logprobs[rows], response_width, 0.0, left=False))
         parts["rewards"].append(r.rewards[rows])
         parts["truncated"].append(r.truncated[rows])
         parts["scored"].append(r.scored[rows] if r.scored is not None else torch.ones(g, dtype=torch.bool, device=r.rewards.device))
@@ -83,6 +91,7 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
         prompt_width=prompt_width,
         response_mask=response_mask,
         engine_logprobs=torch.cat(parts["engine_logprobs"]),
+        behaviour_trainer_logprobs=torch.cat(parts["behaviour"]) if with_behaviour else None,
         rewards=torch.cat(parts["rewards"]),
         reward_components={name: torch.cat(values) for name, values in components.items()},
         truncated=torch.cat(parts["truncated"]),
