@@ -33,6 +33,9 @@ class BenchConfig:
     threads: int = 2
     seed: int = 0
     out_dir: str = ""
+    engine: str = "hf"  # "hf": TRL's model.generate; "vllm": TRL's colocated vLLM (vllm_mode="colocate")
+    kv_cache_gib: int = 1  # vLLM's KV cache on CPU (VLLM_CPU_KVCACHE_SPACE takes whole GiB), as our engine's
+    prompt_length: int = 64  # longest prompt in tokens (vLLM's max_model_len is this plus response_length)
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

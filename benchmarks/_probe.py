@@ -25,7 +25,7 @@ class StepProbe(L.Callback):
         out_dir: where ``result.json`` goes.
         cell: the grid cell's name (recorded).
         fixed_length: no sampled token ends a response, as TRL's ``min_new_tokens`` (the
-            engine has no ``ignore_eos``; ``-1`` is never sampled).
+            engines have no ``ignore_eos`` option: their end-of-sequence ids are replaced).
         cprofile: write a cProfile of the steps after ``warmup`` here (empty: off).
         warmup: steps before the profile starts.
     """
@@ -40,7 +40,10 @@ class StepProbe(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.fixed_length:
-            pl_module.worker.engine.eos_token_ids = [-1]
+            engine = pl_module.worker.engine
+            # the HF engine compares sampled ids with these (-1 never matches); vLLM refuses an
+            # out-of-vocabulary stop id, and with none (it ignores the model's own EOS) never stops early
+            engine.eos_token_ids = [] if type(engine).__name__ == "VLLMEngine" else [-1]
         r = self.result
         r.setup_s = time.perf_counter() - START
         r.baseline_rss_mib = rss_mib()

