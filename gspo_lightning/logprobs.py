@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from gspo_lightning.hf_cache import cache_kwargs, output_cache
 from gspo_lightning.sampling import keep_mask
 
 # Response logits up to this size (float32 bytes, all rows) are projected in one piece and
@@ -223,7 +224,7 @@ def response_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: 
         prompt_ids, prompt_mask, inverse = shared
         out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
                       use_cache=True)
-        cache = out.past_key_values
+        cache = output_cache(out)
         if cache is not None and not any(getattr(cache, "is_sliding", None) or []):
             first = out.last_hidden_state[inverse, -1:]  # the last prompt position predicts response token 0
             if input_ids.shape[1] == prompt_width + 1:
@@ -231,7 +232,7 @@ def response_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: 
             cache.batch_select_indices(inverse)  # differentiable indexing: gradients reach the prompt pass
             rest = decoder(input_ids=input_ids[:, prompt_width:-1], attention_mask=attention_mask[:, :-1],
                            position_ids=position_ids_from_mask(attention_mask)[:, prompt_width:-1],
-                           past_key_values=cache, use_cache=True).last_hidden_state
+                           use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state
             return torch.cat([first, rest], dim=1)
     # every position, also the last (Mixture-of-Experts routing records cover whole rows)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,

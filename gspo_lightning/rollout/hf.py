@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gspo_lightning.hf_cache import cache_kwargs, output_cache
 from gspo_lightning.rollout import kv_decode
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.sampling import filter_logits
@@ -109,9 +110,9 @@ class HFEngine(RolloutEngine):
             logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
             feeds = params.max_new_tokens - 1  # no forward after the last token
             if kv_decode.supports(model):
-                decoder = kv_decode.KVDecoder(model, out.past_key_values, attention_mask, n, feeds)
+                decoder = kv_decode.KVDecoder(model, output_cache(out), attention_mask, n, feeds)
             else:
-                decoder = _CacheDecoder(model, out.past_key_values, attention_mask, position_ids, n)
+                decoder = _CacheDecoder(model, output_cache(out), attention_mask, position_ids, n)
             rows = logits.shape[0]
             eos = torch.tensor(self.eos_token_ids, device=device)
             completion_ids = torch.full((rows, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
@@ -167,8 +168,8 @@ class _CacheDecoder:
         self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], dim=-1)
         self.position_ids = self.position_ids + 1
         out = self.model(input_ids=tokens[:, None], attention_mask=self.attention_mask, position_ids=self.position_ids,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
+                         use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, self.cache))
+        self.cache = output_cache(out)
         return out.logits[:, -1, :].float()
 
 
