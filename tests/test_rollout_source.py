@@ -72,6 +72,19 @@ def test_the_synchronous_source_pushes_the_steps_weights_and_samples_with_its_se
     assert source.state_dict() is None  # nothing generated ahead, nothing to checkpoint
 
 
+def test_an_async_checkpoint_resumed_synchronously_says_its_rollouts_are_sampled_again():
+    source = SynchronousRollouts(FakeWorker(), weights_of({"version": 6}), torch.device("cpu"), seed=lambda s: s)
+    with pytest.warns(UserWarning, match=r"2 rollout\(s\) generated ahead \(prompt batches \[3, 4\]\).*sampled again"):
+        source.load_state_dict({"pending": [{"index": 3}, {"index": 4}]}, torch.device("cpu"))
+    rollout, _ = source.next(3, batch_at(3), 6)  # batch 3 itself, with the current weights
+    assert rollout.policy_version == 6
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source.load_state_dict({"pending": []}, torch.device("cpu"))  # nothing generated ahead: nothing to say
+
+
 def test_the_synchronous_source_refuses_a_rollout_of_other_weights():
     source = SynchronousRollouts(FakeWorker(lag=1), weights_of({"version": 3}), torch.device("cpu"), seed=lambda s: s)
     with pytest.raises(RuntimeError, match="stale rollout: sampled with policy version 2, the policy is at 3"):

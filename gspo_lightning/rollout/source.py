@@ -19,6 +19,7 @@ tagged with).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -97,6 +98,16 @@ class SynchronousRollouts(RolloutSource):
         if rollout.policy_version != policy_version:
             raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {policy_version}")
         return rollout, stats
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """A checkpoint of an asynchronous run resumed synchronously: its rollouts generated
+        ahead are not trained on (they are off-policy now); their prompt batches are sampled
+        again with the current weights, so no prompt is skipped. Said once, not done silently."""
+        pending = [item["index"] for item in state.get("pending", [])]
+        if pending:
+            warnings.warn(f"the checkpoint holds {len(pending)} rollout(s) generated ahead (prompt batches {pending}) by a "
+                          f"run with max_staleness > 0; with max_staleness: 0 they are sampled again with the current "
+                          f"weights instead (resume with the checkpoint's max_staleness to train on them)", stacklevel=2)
 
 
 class PipelinedRollouts(RolloutSource):
