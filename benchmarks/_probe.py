@@ -75,7 +75,8 @@ class StepProbe(L.Callback):
         self.clock.lap(r)
         metrics = trainer.callback_metrics
         for phase, key in PHASES.items():
-            r.add_phase(phase, float(metrics.get(key, 0.0)))
+            seconds = float(metrics.get(key, 0.0))
+            r.add_phase(phase, seconds if seconds == seconds else 0.0)  # NaN: the phase did not run this step
         r.response_length_mean.append(float(metrics.get("response/length_mean", float("nan"))))
         if self.cprofile and len(r.step_wall_s) == self.warmup:
             import cProfile

@@ -116,7 +116,8 @@ def run(cfg: Path, reuse: bool = False) -> dict:
     rows = []
     for file in sorted(cfg.parent.glob("csv/version_*/metrics.csv")):
         with open(file) as handle:
-            rows += [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(handle) if row.get("policy_version")]
+            rows += [{k: float(v) for k, v in row.items() if v and v != "nan"}  # nan: not measured at that step
+                     for row in csv.DictReader(handle) if row.get("policy_version")]
     return {"rows": rows, "wall_s": time.time() - start}
 
 

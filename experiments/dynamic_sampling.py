@@ -93,7 +93,7 @@ def read_run(folder: Path, provenance: dict) -> dict:
     logs = folder / "csv" / "version_0"
     with open(logs / "metrics.csv") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("policy_version")]
-    steps = [{k: float(row[k]) for k in PER_STEP if row.get(k)} for row in rows]
+    steps = [{k: float(row[k]) for k in PER_STEP if row.get(k) not in (None, "", "nan")} for row in rows]  # nan: not measured
     history = json.loads((logs / "history.json").read_text())
     # validations: (rollout step, accuracy); a sanity check before training is step 0
     accuracy = [(int(step), value) for step, value in history.get("val/accuracy", [])]
