@@ -132,14 +132,14 @@ def main() -> None:
 
     import lightning as L
 
-    from gspo_lightning.data import PromptDataModule
-    from gspo_lightning.module import GSPOModule
+    from gspo_lightning.data.datamodule import PromptDataModule
+    from gspo_lightning.training.module import GSPOModule
     from gspo_lightning.rewards import RewardSpec
     from gspo_lightning.rollout import HFEngine
     from gspo_lightning.rollout.worker import RolloutWorker
-    from gspo_lightning.update import PolicyUpdater
+    from gspo_lightning.training.update import PolicyUpdater
 
-    import gspo_lightning.logprobs as logprobs
+    import gspo_lightning.training.logprobs as logprobs
 
     # the chunked head at a size a CPU can run: the threshold is a keyword default of response_logprobs
     logprobs.response_logprobs.__kwdefaults__["max_unchunked_bytes"] = run["max_unchunked_bytes"]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gspo_lightning.distributed import GradientSync
+from gspo_lightning.training.distributed import GradientSync
 
 
 def build_model(seed: int):

@@ -39,7 +39,7 @@ QUIET = 0.10  # a round is quiet when other processes used less than this share 
 
 
 def prompt_ids(tok, case: dict) -> list[list[int]]:
-    from gspo_lightning.data import read_rows
+    from gspo_lightning.data.datamodule import read_rows
 
     rows, _ = read_rows(case["data"], num_builtin_rows=case["prompts"], seed=0)
     return [tok(row[case["field"]], add_special_tokens=False)["input_ids"][:case["prompt_tokens"]]
@@ -50,7 +50,7 @@ def logprob_gap(policy, prompts, gen, n: int, pad_id: int) -> dict:
     """|engine - trainer| over the sampled tokens (fp32, temperature 1)."""
     import torch
 
-    from gspo_lightning.logprobs import response_logprobs
+    from gspo_lightning.training.logprobs import response_logprobs
     from gspo_lightning.rollout.hf import left_pad
 
     ids, mask = left_pad([p for p in prompts for _ in range(n)], pad_id, "cpu")
@@ -68,7 +68,7 @@ def run_case(name: str, case: dict, repeats: int) -> dict:
 
     from gspo_lightning.rollout import EngineSpec, HFEngine, SamplingParams, VLLMEngine
     from gspo_lightning.rollout.weight_sync import iter_policy_weights
-    from gspo_lightning.tasks import build_tiny
+    from gspo_lightning.data.tasks import build_tiny
 
     torch.manual_seed(0)
     policy, tok = build_tiny(case["model"])

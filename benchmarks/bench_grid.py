@@ -43,7 +43,7 @@ PHASES = ["generate", "score", "logprobs", "train", "weight_sync"]
 
 
 def default_source() -> str:
-    from gspo_lightning.datasets import BUILTIN_FILES
+    from gspo_lightning.data.datasets import BUILTIN_FILES
 
     return str(BUILTIN_FILES["gsm8k"])
 

@@ -109,7 +109,7 @@ import sys, json, torch
 sys.path.insert(0, {here!r})
 from _common import peak_rss_mib, reset_peak_rss, rss_mib
 from transformers import AutoModelForCausalLM
-from gspo_lightning.logprobs import response_logprobs
+from gspo_lightning.training.logprobs import response_logprobs
 torch.set_num_threads({threads})
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32).train()
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
 
-    from gspo_lightning.gguf_models import resolve_model
+    from gspo_lightning.models.gguf import resolve_model
 
     folder = resolve_model(MODEL)  # converted once into the cache
     report = {"stamp": stamp("bench_real.py"), "argv": sys.argv[1:], "model": MODEL, "folder": folder, "load_before": os.getloadavg()}

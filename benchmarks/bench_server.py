@@ -42,7 +42,7 @@ def load() -> str:
 
 def pushes(args) -> list[dict]:
     from _common import build_bench_model
-    from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
+    from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
     from gspo_lightning.rollout import EngineSpec, RemoteEngine
     from gspo_lightning.rollout.remote import ChildServer
     from gspo_lightning.rollout.server import ServerSpec
@@ -51,7 +51,7 @@ def pushes(args) -> list[dict]:
     results = []
     for size in args.sizes:
         if size == REAL_MODEL:  # the converted SmolLM2 folder (a cache of ours: kept)
-            from gspo_lightning.gguf_models import resolve_model
+            from gspo_lightning.models.gguf import resolve_model
 
             folder, built = Path(resolve_model(size)), False
         else:
@@ -96,7 +96,7 @@ def fit_step_times(config: str, steps: int, workdir: Path) -> float:
     command = [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(ROOT / config),
                f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
                "--trainer.enable_progress_bar=false", "--model.export_on_fit_end=false",
-               f"--trainer.default_root_dir={root}", "--trainer.logger=gspo_lightning.loggers.CSVLogger",
+               f"--trainer.default_root_dir={root}", "--trainer.logger=gspo_lightning.run.loggers.CSVLogger",
                f"--trainer.logger.save_dir={root}", "--trainer.enable_checkpointing=false"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir)
     if result.returncode:

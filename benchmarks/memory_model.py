@@ -59,8 +59,8 @@ from typing import Optional
 
 GiB = 2**30
 MiB = 2**20
-MAX_UNCHUNKED_BYTES = 256 * MiB  # gspo_lightning/logprobs.py
-DDP_BUCKET_BYTES = 64 * MiB  # gspo_lightning/distributed.py
+MAX_UNCHUNKED_BYTES = 256 * MiB  # gspo_lightning/training/logprobs.py
+DDP_BUCKET_BYTES = 64 * MiB  # gspo_lightning/training/distributed.py
 FUSE_MAX_BYTES = 64 * MiB  # gspo_lightning/rollout/kv_decode.py
 ZERO3_REDUCE_BUCKET = 200_000_000  # elements, Lightning's DeepSpeedStrategy default
 STRATEGIES = ("ddp", "fsdp2", "zero3")
@@ -537,7 +537,7 @@ def build_check_model(folder: Path, shape: Shape = CHECK_SHAPE, seed: int = 1234
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from gspo_lightning.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
 
     if (folder / "config.json").is_file():
         return folder

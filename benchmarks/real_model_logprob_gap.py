@@ -9,13 +9,13 @@ template) get 8 samples of at most 32 tokens each, and the trainer's
     VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/real_model_logprob_gap.py bfloat16
 """
 import sys, time, torch
-from gspo_lightning.gguf_models import resolve_model
-from gspo_lightning.models import load_policy, load_tokenizer
+from gspo_lightning.models.gguf import resolve_model
+from gspo_lightning.models.loading import load_policy, load_tokenizer
 from gspo_lightning.rollout import EngineSpec, SamplingParams, VLLMEngine
 from gspo_lightning.rollout.hf import left_pad
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.tasks.addition import make_rows
+from gspo_lightning.training.logprobs import response_logprobs
+from gspo_lightning.data.tasks.addition import make_rows
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
 folder = resolve_model("builtin:smollm2-135m-instruct")

@@ -74,7 +74,7 @@ def config(folder: Path, *, seed: int, steps: int, k: int, engine: str, method: 
            correction: str = "none") -> Path:
     model = {
         "model_name_or_path": "builtin:tiny-successor",
-        "rewards": [{"function": "gspo_lightning.tasks.successor.successor_reward"}],
+        "rewards": [{"function": "gspo_lightning.data.tasks.successor.successor_reward"}],
         "num_return_sequences_in_group": 8, "response_length": 6, "adv_estimator": "grpo",
         "loss_agg_mode": "seq-mean-token-mean", "mini_batch_size": 32, "max_staleness": k, "clip_budget": True,
         "export_on_fit_end": False,

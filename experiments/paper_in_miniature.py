@@ -8,7 +8,7 @@ and verdicts come from the ``summary.json`` this writes, by ``experiments/result
     python experiments/paper_in_miniature.py --replot --out docs/results
 
 Tiny models are trained from random weights by RL alone on the ``pattern`` task
-(``gspo_lightning/tasks/pattern.py``: prompt ``repeat 3 7``, answer ``3 7 3 7 ...`` for
+(``gspo_lightning/data/tasks/pattern.py``: prompt ``repeat 3 7``, answer ``3 7 3 7 ...`` for
 ``length`` words, reward = share of positions right; 20 held-out digit pairs never trained on).
 Methods (``METHODS``): GSPO (sequence ratios, clip 3e-4 / 4e-4), GRPO (token ratios, clip
 0.2 / 0.27), GRPO+RR (GRPO with Routing Replay); all ``seq-mean-token-mean``, group-normalized
@@ -104,10 +104,10 @@ METRICS = [
 def clip_frac_tokens(micro) -> dict:
     """The share of response *tokens* whose ratio is clipped, whatever the ratio level (for
     sequence ratios every token of a clipped sequence counts): the paper's Figure 2 unit.
-    ``micro`` is a :class:`gspo_lightning.update.MicroBatch`."""
+    ``micro`` is a :class:`gspo_lightning.training.update.MicroBatch`."""
     import torch
 
-    from gspo_lightning.loss import MAX_LOG_RATIO, log_importance_ratio
+    from gspo_lightning.objective.loss import MAX_LOG_RATIO, log_importance_ratio
 
     s = micro.settings
     valid = micro.mask.bool()
@@ -205,16 +205,16 @@ def run_one(run: dict, work_dir: str) -> dict:
     import lightning as L
     import torch
 
-    from gspo_lightning.data import PromptDataModule
+    from gspo_lightning.data.datamodule import PromptDataModule
     from gspo_lightning.errors import NonFiniteError
-    from gspo_lightning.module import GSPOModule
+    from gspo_lightning.training.module import GSPOModule
     from gspo_lightning.rewards import RewardSpec
     from gspo_lightning.rollout import HFCopyEngine
-    from gspo_lightning.tasks import pattern
+    from gspo_lightning.data.tasks import pattern
 
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("gspo_lightning.update").setLevel(logging.ERROR)
+    logging.getLogger("gspo_lightning.training.update").setLevel(logging.ERROR)
     history: dict[str, list[Optional[float]]] = {name: [] for name in METRICS}
     probe = MismatchProbe()
 
@@ -244,7 +244,7 @@ def run_one(run: dict, work_dir: str) -> dict:
     responses = run["prompts"] * run["group"]
     module = GSPOModule(
         model_name_or_path=model_path,
-        rewards=[RewardSpec(function="gspo_lightning.tasks.pattern.pattern_reward")],
+        rewards=[RewardSpec(function="gspo_lightning.data.tasks.pattern.pattern_reward")],
         num_return_sequences_in_group=run["group"],
         response_length=run["length"],
         adv_estimator="grpo",
@@ -284,9 +284,9 @@ def run_one(run: dict, work_dir: str) -> dict:
 def heldout_score(module, length: int) -> dict:
     """Greedy responses of the trained fp32 policy to the 20 held-out digit pairs (never in
     training), scored by the task's reward: mean reward and exact-answer accuracy."""
-    from gspo_lightning.models import eos_token_ids
+    from gspo_lightning.models.loading import eos_token_ids
     from gspo_lightning.rollout import EngineSpec, HFEngine, SamplingParams
-    from gspo_lightning.tasks import pattern
+    from gspo_lightning.data.tasks import pattern
 
     tok = module.tokenizer
     rows = pattern.heldout_rows(length)  # the 20 held-out pairs, once each

@@ -1,14 +1,23 @@
-"""gspo-lightning: Group Sequence Policy Optimization for language models, on Lightning."""
+"""gspo-lightning: Group Sequence Policy Optimization for language models, on Lightning.
+
+The package by concern (docs/architecture.md has the map):
+
+- ``objective/``: pure tensor functions: losses, advantages, off-policy correction, clip budget, pass@k
+- ``training/``: the LightningModule, the update loop and what it calls (strategy ops, log-probs, metrics)
+- ``models/``: loading policies and tokenizers (hub id, folder, GGUF, builtin), MoE routing
+- ``data/``: the DataModule, built-in tasks and datasets
+- ``rollout/``: engines, weight transports, the rollout server, the asynchronous pipeline
+- ``rewards/``: reward functions in TRL's convention
+- ``run/``: the run around training: the command, loggers, progress, plots, preemption, export
+"""
+
+from gspo_lightning._imports import install_moved_modules, lazy_exports
 
 __version__ = "0.1.0"
 
+install_moved_modules()  # configs naming the module paths of 0.1 (gspo_lightning.tasks...) keep working
+
+# lazy: the `gspo` command sets OpenMP's environment (run/cpu_env.py) before torch loads
+__getattr__, __dir__ = lazy_exports(__name__, {"kl_penalty": "objective.loss", "policy_loss": "objective.loss"})
+
 __all__ = ["__version__", "kl_penalty", "policy_loss"]
-
-
-def __getattr__(name: str):
-    # lazy: the `gspo` command sets OpenMP's environment (cpu_env.py) before torch loads
-    if name in ("kl_penalty", "policy_loss"):
-        from gspo_lightning import loss
-
-        return getattr(loss, name)
-    raise AttributeError(f"module 'gspo_lightning' has no attribute {name!r}")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from gspo_lightning.cpu_env import configure_cpu_env
+from gspo_lightning.run.cpu_env import configure_cpu_env
 
 configure_cpu_env()  # before lightning imports torch: OpenMP reads its settings once, at load
 
@@ -60,8 +60,8 @@ class GSPOCLI(LightningCLI):
             "trainer.logger": [
                 # separate names: two loggers under one name pick different version folders
                 # save_dir left out: the run folder, trainer.default_root_dir (run_folder_loggers)
-                Namespace(class_path="gspo_lightning.loggers.CSVLogger", init_args=Namespace(name="csv")),
-                Namespace(class_path="gspo_lightning.loggers.TensorBoardLogger", init_args=Namespace(name="tensorboard")),
+                Namespace(class_path="gspo_lightning.run.loggers.CSVLogger", init_args=Namespace(name="csv")),
+                Namespace(class_path="gspo_lightning.run.loggers.TensorBoardLogger", init_args=Namespace(name="tensorboard")),
             ],
         })
         # one value, stated once: the data module tokenizes with the model's tokenizer, and
@@ -125,7 +125,7 @@ def run_folder_loggers(loggers, default_root_dir: Optional[str]) -> None:
     them, the checkpoints (Lightning puts them in the first logger's version folder)."""
     from jsonargparse import Namespace
 
-    from gspo_lightning.loggers import DEFAULT_SAVE_DIR
+    from gspo_lightning.run.loggers import DEFAULT_SAVE_DIR
 
     for entry in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(entry, "init_args", None)
@@ -152,7 +152,7 @@ def continue_log_versions(loggers, ckpt_path: str) -> None:
     from jsonargparse import Namespace
     from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 
-    from gspo_lightning.loggers import CSVLogger as ContinuingCSVLogger
+    from gspo_lightning.run.loggers import CSVLogger as ContinuingCSVLogger
 
     for entry in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(entry, "init_args", None)
@@ -180,7 +180,7 @@ QUIET = [
 def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix (config values, files, reward functions, a learning
     rate that blows up): they print as one message. Anything else keeps its traceback."""
-    from gspo_lightning.data import DataError
+    from gspo_lightning.data.datamodule import DataError
     from gspo_lightning.errors import NonFiniteError, RolloutServerError
     from gspo_lightning.rewards.base import RewardError
 
@@ -192,9 +192,9 @@ def main(args: Optional[list[str]] = None) -> None:
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from gspo_lightning.data import PromptDataModule
-    from gspo_lightning.module import GSPOModule
-    from gspo_lightning.preemption import Preempted
+    from gspo_lightning.data.datamodule import PromptDataModule
+    from gspo_lightning.training.module import GSPOModule
+    from gspo_lightning.run.preemption import Preempted
 
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["serve"]:  # a rollout server, not a training run (rollout/server.py)

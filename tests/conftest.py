@@ -14,7 +14,7 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 @pytest.fixture(scope="session")
 def tiny_echo():
     """(model, tokenizer) of builtin:tiny-echo, fixed weights."""
-    from gspo_lightning.tasks import build_tiny
+    from gspo_lightning.data.tasks import build_tiny
 
     torch.manual_seed(0)
     return build_tiny("builtin:tiny-echo")
@@ -22,7 +22,7 @@ def tiny_echo():
 
 @pytest.fixture(scope="session")
 def tiny_gsm8k():
-    from gspo_lightning.tasks import build_tiny
+    from gspo_lightning.data.tasks import build_tiny
 
     torch.manual_seed(0)
     return build_tiny("builtin:tiny-gsm8k")

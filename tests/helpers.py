@@ -58,7 +58,7 @@ def reward_that_kills_a_server(prompts, completions, target, **columns):
     import os
     import signal
 
-    from gspo_lightning.tasks.successor import successor_reward
+    from gspo_lightning.data.tasks.successor import successor_reward
 
     _reward_calls[0] += 1
     if _reward_calls[0] == int(os.environ.get("GSPO_TEST_KILL_AT_CALL", "0")):

@@ -1,8 +1,8 @@
 """The addition task: held-out pairs never trained on, and a strict reward on the last integer."""
 
-from gspo_lightning.data import read_rows
-from gspo_lightning.tasks import addition
-from gspo_lightning.tasks.addition import addition_reward, last_integer
+from gspo_lightning.data.datamodule import read_rows
+from gspo_lightning.data.tasks import addition
+from gspo_lightning.data.tasks.addition import addition_reward, last_integer
 
 
 def test_heldout_pairs_are_fixed_and_never_in_training_rows():

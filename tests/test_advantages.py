@@ -1,4 +1,4 @@
-"""Unit tests of ``gspo_lightning.advantages`` (docs: GSPO.md section 1).
+"""Unit tests of ``gspo_lightning.objective.advantages`` (docs: GSPO.md section 1).
 
 Expected values come from hand computations or from the naive loop references below
 (plain Python lists, the ``statistics`` module for unbiased std), never from the code under
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gspo_lightning.advantages import (
+from gspo_lightning.objective.advantages import (
     RunningMoments,
     clip_advantages,
     clip_rewards,

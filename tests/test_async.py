@@ -178,7 +178,7 @@ def test_bad_staleness_settings_are_one_clear_line(tmp_path):
         make_module(max_staleness=1, stale_rollouts="reweight")
     with pytest.raises(ValueError, match=r"dynamic_sampling .* \(max_staleness > 0\) cannot: turn one of them off"):
         make_module(max_staleness=1, dynamic_sampling=True)
-    from gspo_lightning.offpolicy import OffPolicyCorrection
+    from gspo_lightning.objective.offpolicy import OffPolicyCorrection
 
     with pytest.raises(ValueError, match="off_policy.mode=bypass .* set old_logprobs=engine"):
         make_module(off_policy=OffPolicyCorrection(mode="bypass"))

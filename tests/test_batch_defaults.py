@@ -5,12 +5,12 @@ quickstart, the benchmarks) keep one forward per mini-batch and one generation b
 import pytest
 import torch
 
-from gspo_lightning.module import GSPOModule
+from gspo_lightning.training.module import GSPOModule
 from gspo_lightning.rollout import hf
 from gspo_lightning.rollout.engine import EngineSpec, SamplingParams
 from gspo_lightning.rollout.hf import HFEngine
 from gspo_lightning.rollout.kv_decode import kv_cache_bytes_per_token
-from gspo_lightning.update import plan_batches
+from gspo_lightning.training.update import plan_batches
 
 
 def plan(micro=None, tokens=None, prompts=4, group=8, world=1):

@@ -45,12 +45,12 @@ def test_markdown_carries_the_stamp_and_the_ratios(grid):
     cell = {"vocab": "100", "size": "0.6M", "params_m": 0.6, "length": 16, "limit_s": 0.05,
             "gspo": {"step_s": 0.3, "generate": 0.1, "train": 0.15, "other": 0.05, "peak_rss_mib": 500.0},
             "trl": {"step_s": 0.6, "generate": 0.2, "train": 0.3, "other": 0.1, "peak_rss_mib": 1000.0}}
-    report = {"stamp": {"commit": "c" * 40, "dirty_tracked_files": ["gspo_lightning/module.py"], "date": "today",
+    report = {"stamp": {"commit": "c" * 40, "dirty_tracked_files": ["gspo_lightning/training/module.py"], "date": "today",
                         "cpu": "some CPU", "cpus": 2, "command": "python benchmarks/bench_grid.py"},
               "threads": 2, "matmul_flops_per_s": 1.5e11, "versions": {"torch": "2.13"}, "skipped": ["100-25M-128"],
               "cells": [cell]}
     text = grid.markdown(report)
-    assert "c" * 40 in text and "(changed: gspo_lightning/module.py)" in text and "150.0 GFLOP/s" in text
+    assert "c" * 40 in text and "(changed: gspo_lightning/training/module.py)" in text and "150.0 GFLOP/s" in text
     assert "| 100 | 0.6M (0.6M) | 16 | 0.300 | 0.600 | **0.50x** |" in text
     assert "500 / 1000 (0.50x)" in text and "| 6.0x |" in text  # RSS ratio, ours / FLOP limit
     assert text.rstrip().endswith("100-25M-128.")

@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from gspo_lightning import data as data_module
-from gspo_lightning.data import PromptDataModule
+from gspo_lightning.data import datamodule as data_module
+from gspo_lightning.data.datamodule import PromptDataModule
 
 INSTRUCT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -27,7 +27,7 @@ def write_config(tmp_path: Path) -> Path:
         "checkpoint": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 2},
         "model": {
             "model_name_or_path": "builtin:tiny-echo",
-            "rewards": [{"function": "gspo_lightning.tasks.echo.echo_reward"}],
+            "rewards": [{"function": "gspo_lightning.data.tasks.echo.echo_reward"}],
             "num_return_sequences_in_group": 4, "response_length": 5,
             "val_num_samples": 2, "val_temperature": 1.0,
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003}},

@@ -1,4 +1,4 @@
-"""The clip budget (gspo_lightning/clip_budget.py): attribution worked out by hand."""
+"""The clip budget (gspo_lightning/objective/clip_budget.py): attribution worked out by hand."""
 
 import math
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo_lightning.clip_budget import ClipBudget, attribute_clips, clip_budget_metrics, split_log_ratio
+from gspo_lightning.objective.clip_budget import ClipBudget, attribute_clips, clip_budget_metrics, split_log_ratio
 
 # GSPO's sequence range: log(1.0004) = 3.9992e-4 above, log(0.9997) = -3.0005e-4 below
 LOW, HIGH = 3e-4, 4e-4

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gspo_lightning.cpu_env import configure_cpu_env
+from gspo_lightning.run.cpu_env import configure_cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

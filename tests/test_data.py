@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_lightning.data import DataError, EndlessBatchSampler, PromptDataModule, read_rows
+from gspo_lightning.data.datamodule import DataError, EndlessBatchSampler, PromptDataModule, read_rows
 
 
 @pytest.fixture
@@ -172,7 +172,7 @@ def test_test_stage_needs_its_own_file(tmp_path, dm_factory):
 
 def test_builtin_gsm8k_is_shipped_inside_the_package():
     import gspo_lightning
-    from gspo_lightning.datasets import BUILTIN_FILES
+    from gspo_lightning.data.datasets import BUILTIN_FILES
 
     package = Path(gspo_lightning.__file__).resolve().parent
     for name, path in BUILTIN_FILES.items():

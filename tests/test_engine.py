@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gspo_lightning.logprobs import response_logprobs
+from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.rollout.engine import EngineSpec, SamplingParams
 from gspo_lightning.rollout.hf import HFEngine, _sample_step, left_pad
-from gspo_lightning.sampling import filter_logits
+from gspo_lightning.rollout.sampling import filter_logits
 
 
 def make_engine(model_tok, generation_batch_size=None):

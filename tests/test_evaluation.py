@@ -1,4 +1,4 @@
-"""Tests for gspo_lightning.evaluation (pass@k)."""
+"""Tests for gspo_lightning.objective.passk (pass@k)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from math import comb
 
 import pytest
 
-from gspo_lightning.evaluation import pass_at_k, pass_at_k_from_scores
+from gspo_lightning.objective.passk import pass_at_k, pass_at_k_from_scores
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gspo_lightning.export import check_auto_tokenizer, export_checkpoint
-from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.models import load_policy, load_tokenizer
-from gspo_lightning.tasks import save_tiny
+from gspo_lightning.run.export import check_auto_tokenizer, export_checkpoint
+from gspo_lightning.training.logprobs import response_logprobs
+from gspo_lightning.models.loading import load_policy, load_tokenizer
+from gspo_lightning.data.tasks import save_tiny
 from tests.test_module import fit, make_module
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gspo_lightning.export import export_checkpoint
+from gspo_lightning.run.export import export_checkpoint
 from tests.test_module import fit, make_module
 
 

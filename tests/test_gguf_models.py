@@ -11,9 +11,9 @@ import yaml
 
 pytest.importorskip("gguf")
 
-from gspo_lightning import gguf_models  # noqa: E402
-from gspo_lightning.gguf_models import ModelSourceError, converted_folder, resolve_model  # noqa: E402
-from gspo_lightning.models import load_policy, load_tokenizer  # noqa: E402
+from gspo_lightning.models import gguf as gguf_models  # noqa: E402
+from gspo_lightning.models.gguf import ModelSourceError, converted_folder, resolve_model  # noqa: E402
+from gspo_lightning.models.loading import load_policy, load_tokenizer  # noqa: E402
 from tests.tiny_gguf import CHAT_TEMPLATE, write_tiny_gguf  # noqa: E402
 
 
@@ -177,7 +177,7 @@ def test_gspo_fit_on_a_gguf_folder_with_the_gguf_file_key(tiny_gguf, cache, tmp_
         "seed_everything": 11,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "default_root_dir": str(tmp_path),
                     "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False,
-                    "logger": [{"class_path": "gspo_lightning.loggers.CSVLogger",
+                    "logger": [{"class_path": "gspo_lightning.run.loggers.CSVLogger",
                                 "init_args": {"save_dir": str(tmp_path), "name": "csv"}}]},
         "model": {"model_name_or_path": str(tiny_gguf.parent), "gguf_file": tiny_gguf.name,
                   "rewards": [{"function": "gspo_lightning.rewards.format_reward", "kwargs": {"pattern": ".*t.*"}}],

@@ -18,8 +18,8 @@ def fit_chunked(tmp_path, strategy, max_grad_norm):
     import lightning as L
 
     from gspo_lightning import logprobs
-    from gspo_lightning.data import PromptDataModule
-    from gspo_lightning.module import GSPOModule
+    from gspo_lightning.data.datamodule import PromptDataModule
+    from gspo_lightning.training.module import GSPOModule
     from gspo_lightning.rewards import RewardSpec
 
     budget = logprobs.response_logprobs.__kwdefaults__["max_unchunked_bytes"]
@@ -27,7 +27,7 @@ def fit_chunked(tmp_path, strategy, max_grad_norm):
     try:
         L.seed_everything(3, verbose=False)
         module = GSPOModule(model_name_or_path="builtin:tiny-echo", num_return_sequences_in_group=4, response_length=5,
-                            rewards=[RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")], logprob_chunk_size=2,
+                            rewards=[RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")], logprob_chunk_size=2,
                             num_mini_batches=2, max_grad_norm=max_grad_norm, export_on_fit_end=False,
                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
         data = PromptDataModule(path="builtin:echo", tokenizer="builtin:tiny-echo", rollout_batch_size=4, prompt_length=8,

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gspo_lightning import distributed
-from gspo_lightning.distributed import GradientSync, PolicyForward
+from gspo_lightning.training import distributed
+from gspo_lightning.training.distributed import GradientSync, PolicyForward
 
 
 @pytest.fixture

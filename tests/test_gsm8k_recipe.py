@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from gspo_lightning.cli import main
-from gspo_lightning.data import PromptDataModule
+from gspo_lightning.data.datamodule import PromptDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT / "gspo_lightning" / "datasets" / "gsm8k" / "train.jsonl"
+GSM8K = ROOT / "gspo_lightning" / "data" / "datasets" / "gsm8k" / "train.jsonl"
 
 
 @pytest.mark.slow

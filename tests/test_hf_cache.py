@@ -6,7 +6,7 @@ import warnings
 import torch
 from torch import nn
 
-from gspo_lightning.hf_cache import cache_kwargs, output_cache
+from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
 
 
 class OldModel(nn.Module):
@@ -38,7 +38,7 @@ def test_the_cache_is_read_under_either_name():
 def test_generation_and_shared_prompt_logprobs_give_no_cache_deprecation_warning(tiny_gsm8k):
     # with transformers >= 5.24 (what a fresh install gets) the old name raised a FutureWarning
     # on every decode step of the generic cache loop and every shared-prompt log-prob pass
-    from gspo_lightning.logprobs import response_logprobs
+    from gspo_lightning.training.logprobs import response_logprobs
     from gspo_lightning.rollout.engine import SamplingParams
     from tests.test_engine import make_engine, prompts, rollout_batch
 

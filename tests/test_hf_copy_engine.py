@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from gspo_lightning.logprobs import response_logprobs
+from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.rollout import EngineSpec, HFCopyEngine, RolloutWorker, SamplingParams
 from gspo_lightning.rollout.hf import left_pad
 from gspo_lightning.rollout.hf_copy import fp8_round
@@ -21,7 +21,7 @@ MAX_NEW = 12
 def peaked_policy():
     """tiny-echo with weights redrawn so that distributions are peaked (a near-uniform model
     would hide precision errors)."""
-    from gspo_lightning.tasks import build_tiny
+    from gspo_lightning.data.tasks import build_tiny
 
     torch.manual_seed(0)
     policy, tok = build_tiny("builtin:tiny-echo")
@@ -176,13 +176,13 @@ def test_bad_knobs_and_unknown_weights_are_refused():
 def test_trains_with_engine_logprobs_as_old_and_logs_the_mismatch(tmp_path):
     import lightning as L
 
-    from gspo_lightning.data import PromptDataModule
-    from gspo_lightning.module import GSPOModule
+    from gspo_lightning.data.datamodule import PromptDataModule
+    from gspo_lightning.training.module import GSPOModule
     from gspo_lightning.rewards import RewardSpec
 
     engine = HFCopyEngine(dtype="bfloat16")
     module = GSPOModule(
-        model_name_or_path="builtin:tiny-echo", rewards=[RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")],
+        model_name_or_path="builtin:tiny-echo", rewards=[RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")],
         engine=engine, old_logprobs="engine", num_return_sequences_in_group=4, response_length=6,
         num_mini_batches=2, export_on_fit_end=False,
     )

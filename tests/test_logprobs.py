@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gspo_lightning.logprobs import head_logprobs, response_logprobs, supports_chunked, token_logprobs
+from gspo_lightning.training.logprobs import head_logprobs, response_logprobs, supports_chunked, token_logprobs
 
 
 def batch(tok, vocab, rows=4, prompt=5, response=7, seed=0, group=1):

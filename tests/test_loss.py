@@ -1,4 +1,4 @@
-"""Unit tests of ``gspo_lightning.loss`` (docs: GSPO.md sections 2-4).
+"""Unit tests of ``gspo_lightning.objective.loss`` (docs: GSPO.md sections 2-4).
 
 Every expected value is computed independently of the code under test: by hand for small
 cases, or by the deliberately naive loop reference ``naive_policy_loss`` below (plain Python
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gspo_lightning.loss import aggregate_loss, kl_penalty, policy_loss
+from gspo_lightning.objective.loss import aggregate_loss, kl_penalty, policy_loss
 
 LEVELS = ("token", "seq", "seq-token")
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-sum-token-sum-norm")

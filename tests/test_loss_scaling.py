@@ -69,7 +69,7 @@ def overflow_once(module_cls):
 
 
 def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tmp_path):
-    from gspo_lightning.module import GSPOModule
+    from gspo_lightning.training.module import GSPOModule
 
     module = make_module(overflow_once(GSPOModule), engine=FullPrecisionEngine(), num_mini_batches=2,
                          max_consecutive_nonfinite=1,  # an overflow the scaler handles is not a failure
@@ -83,7 +83,7 @@ def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tmp_path):
 
 def test_overflows_below_a_scale_of_one_are_failures(tmp_path):
     """Below scale 1 the gradients overflow unscaled: the non-finite limit applies again."""
-    from gspo_lightning.module import GSPOModule, NonFiniteError
+    from gspo_lightning.training.module import GSPOModule, NonFiniteError
 
     class AlwaysOverflowing(overflow_once(GSPOModule)):
         def _logprobs(self, model, rollout, rows):

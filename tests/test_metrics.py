@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo_lightning.metrics import StepMetrics, record_rollout
+from gspo_lightning.training.metrics import StepMetrics, record_rollout
 
 
 def fake_rollout(rewards, scored, group_size):

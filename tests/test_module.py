@@ -7,13 +7,13 @@ import lightning as L
 import pytest
 import torch
 
-from gspo_lightning.data import PromptDataModule
-from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.module import GSPOModule, NonFiniteError
+from gspo_lightning.data.datamodule import PromptDataModule
+from gspo_lightning.training.logprobs import response_logprobs
+from gspo_lightning.training.module import GSPOModule, NonFiniteError
 from gspo_lightning.rewards import RewardSpec
 from gspo_lightning.rollout import HFEngine
 
-ECHO_REWARD = [RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")]
+ECHO_REWARD = [RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")]
 
 
 def make_module(cls=GSPOModule, **overrides):
@@ -178,7 +178,7 @@ def test_engine_mismatch_that_clips_before_any_update_is_logged_and_warned(tmp_p
 def test_a_model_loaded_from_a_folder_trains_in_train_mode_with_working_checkpointing(tmp_path):
     """from_pretrained returns eval mode: the module must switch the policy to train mode,
     or gradient checkpointing (and dropout) silently does nothing."""
-    from gspo_lightning.tasks import save_tiny
+    from gspo_lightning.data.tasks import save_tiny
 
     folder = save_tiny("builtin:tiny-echo", tmp_path / "saved")
     counts = {}

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from gspo_lightning.data import PromptDataModule
-from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.moe import RoutingRecorder
-from gspo_lightning.module import GSPOModule
+from gspo_lightning.data.datamodule import PromptDataModule
+from gspo_lightning.training.logprobs import response_logprobs
+from gspo_lightning.models.moe import RoutingRecorder
+from gspo_lightning.training.module import GSPOModule
 from gspo_lightning.rewards import RewardSpec
 
 PROMPT = 4
-ECHO_REWARD = [RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")]
+ECHO_REWARD = [RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")]
 
 
 def tiny_moe(model_type="qwen2_moe", seed=0, **overrides):
@@ -104,7 +104,7 @@ def test_finds_every_moe_layer_and_its_weighting(model_type, overrides):
 
 
 def test_a_router_that_cannot_be_probed_falls_back_to_its_attributes(monkeypatch):
-    import gspo_lightning.moe as moe
+    import gspo_lightning.models.moe as moe
 
     def fail(*args):
         raise RuntimeError("sharded weights")

@@ -1,4 +1,4 @@
-"""Off-policy correction (gspo_lightning/offpolicy.py): weights worked out by hand, and
+"""Off-policy correction (gspo_lightning/objective/offpolicy.py): weights worked out by hand, and
 TRL's ``vllm_importance_sampling_mode`` formulas reproduced from their definition."""
 
 import math
@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from gspo_lightning.loss import policy_loss
-from gspo_lightning.offpolicy import OffPolicyCorrection, check_correction, correct, effective_sample_size, log_weights
+from gspo_lightning.objective.loss import policy_loss
+from gspo_lightning.objective.offpolicy import OffPolicyCorrection, check_correction, correct, effective_sample_size, log_weights
 
 # two responses: the first has 2 valid tokens, the second 1; garbage at padding
 OLD = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gspo_lightning.data import read_rows
-from gspo_lightning.tasks import pattern
+from gspo_lightning.data.datamodule import read_rows
+from gspo_lightning.data.tasks import pattern
 
 
 def test_rows_alternate_the_prompt_digits_for_length_words():

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from gspo_lightning.plotting import TrainingCurves, plot_history
+from gspo_lightning.run.plotting import TrainingCurves, plot_history
 
 
 def fake_trainer(step, metrics, sanity_checking=False):

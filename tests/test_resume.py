@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def any_echo_reward(prompts, completions, target, **columns) -> list[float]:
     """1 when some judged word echoes the target, else 0: many groups of the untrained model score all 0."""
-    from gspo_lightning.tasks.echo import echo_reward
+    from gspo_lightning.data.tasks.echo import echo_reward
 
     return [float(score > 0) for score in echo_reward(prompts, completions, target)]
 
@@ -41,7 +41,7 @@ def write_config(folder: Path, max_steps: int, response_length: int = 5, **model
         "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 1},
         "model": {
             "model_name_or_path": "builtin:tiny-echo",
-            "rewards": [{"function": "gspo_lightning.tasks.echo.echo_reward"}],
+            "rewards": [{"function": "gspo_lightning.data.tasks.echo.echo_reward"}],
             "num_return_sequences_in_group": 4, "response_length": response_length,
             "reward_norm": "running", "mini_batch_size": 8, "ppo_epochs": 1,
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003}},
@@ -166,7 +166,7 @@ def test_a_resumed_run_continues_its_log_folders_and_curves(tmp_path):
         path = write_config(tmp_path, max_steps)
         cfg = yaml.safe_load(path.read_text())
         cfg["trainer"]["logger"] = [
-            {"class_path": "gspo_lightning.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
+            {"class_path": "gspo_lightning.run.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
             {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(tmp_path), "name": "tb"}},
         ]
         path.write_text(yaml.safe_dump(cfg))
@@ -205,7 +205,7 @@ def test_last_ckpt_is_always_the_newest_state_over_stop_resume_stop_resume(tmp_p
         del cfg["checkpoint"]["dirpath"]  # the default: next to the logs, csv/version_0/checkpoints
         cfg["checkpoint"]["every_n_train_steps"] = 4
         cfg["model"]["rewards"] = [{"function": "tests.test_resume.reward_that_fails_when_told"}]
-        cfg["trainer"]["logger"][0]["class_path"] = "gspo_lightning.loggers.CSVLogger"  # continues its folder
+        cfg["trainer"]["logger"][0]["class_path"] = "gspo_lightning.run.loggers.CSVLogger"  # continues its folder
         path.write_text(yaml.safe_dump(cfg))
         args = ["fit", "--config", str(path)] + (["--ckpt_path", str(last)] if resume else [])
         if fail_at_call is None:

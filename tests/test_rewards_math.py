@@ -21,7 +21,7 @@ from gspo_lightning.rewards.math import (
 )
 from gspo_lightning.rewards.shaping import format_reward, length_penalty
 
-GSM8K_TRAIN = Path(__file__).resolve().parents[1] / "gspo_lightning" / "datasets" / "gsm8k" / "train.jsonl"
+GSM8K_TRAIN = Path(__file__).resolve().parents[1] / "gspo_lightning" / "data" / "datasets" / "gsm8k" / "train.jsonl"
 
 
 def score(completion, answer, **kwargs) -> float:

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from gspo_lightning.advantages import rewards_to_advantages
-from gspo_lightning.loss import aggregate_loss, policy_loss
+from gspo_lightning.objective.advantages import rewards_to_advantages
+from gspo_lightning.objective.loss import aggregate_loss, policy_loss
 
 
 def test_roll_sum_norm_sums_over_sequences_ours_averages():

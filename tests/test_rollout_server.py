@@ -23,7 +23,7 @@ from gspo_lightning.rollout import EngineSpec, HFEngine, RemoteEngine, SamplingP
 from gspo_lightning.rollout.remote import chunk_seed, request_json, split_evenly
 from gspo_lightning.rollout.transport import FolderTransport, WeightsChecksum
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.tasks import build_tiny
+from gspo_lightning.data.tasks import build_tiny
 from tests.helpers import serve_in_thread
 
 MODEL = "builtin:tiny-successor"
@@ -224,7 +224,7 @@ def test_the_worker_tags_a_rollout_with_the_version_the_engine_reports():
     _, tok, _ = policy_and_spec()
     engine = Fixed()
     engine.weights_version = 3
-    rewards = RewardComposer([{"function": "gspo_lightning.tasks.successor.successor_reward"}])
+    rewards = RewardComposer([{"function": "gspo_lightning.data.tasks.successor.successor_reward"}])
     worker = RolloutWorker(engine, rewards, tok, train_params=SamplingParams(2), group_size=2,
                            eval_params=SamplingParams(2), eval_group_size=1)
     batch = {"prompt_ids": prompts(tok, 2), "prompt_text": ["next 1", "next 7"], "columns": {"target": ["2", "8"]}}
@@ -386,7 +386,7 @@ def test_fit_writes_a_checkpoint_when_the_server_dies_and_resume_continues(tmp_p
     process = start_process_server(tmp_path, port)
     config = tmp_path / "cfg.yaml"
     config.write_text((ROOT / "configs/quickstart_server.yaml").read_text().replace(
-        "function: gspo_lightning.tasks.successor.successor_reward", "function: tests.helpers.reward_that_kills_a_server"))
+        "function: gspo_lightning.data.tasks.successor.successor_reward", "function: tests.helpers.reward_that_kills_a_server"))
     run = [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(config),
            f"--model.engine.init_args.urls=[http://127.0.0.1:{port}]", "--model.engine.init_args.reconnect_s=2",
            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",

@@ -4,10 +4,10 @@ and the skipped run's gradient equal to the full run's."""
 import pytest
 import torch
 
-from gspo_lightning.metrics import StepMetrics
-from gspo_lightning.row_filters import loss_mask, micro_batches, rows_with_advantage
+from gspo_lightning.training.metrics import StepMetrics
+from gspo_lightning.training.row_filters import loss_mask, micro_batches, rows_with_advantage
 from gspo_lightning.rollout.worker import Rollout
-from gspo_lightning.update import PolicyUpdater, UpdateOps, UpdateSettings
+from gspo_lightning.training.update import PolicyUpdater, UpdateOps, UpdateSettings
 
 
 def settings(**overrides):
@@ -112,7 +112,7 @@ def tiny_policy_update(tiny_echo, skip, kl_coef=0.0, mini=8, micro=3, advantages
                       engine_logprobs=torch.zeros(n, r), rewards=torch.zeros(n), reward_components={},
                       truncated=torch.zeros(n, dtype=torch.bool), group_size=2, policy_version=0, prompts=[""] * n,
                       completions=[""] * n)
-    from gspo_lightning.logprobs import response_logprobs
+    from gspo_lightning.training.logprobs import response_logprobs
 
     seen, grads = [], []
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gspo_lightning.cli import GSPOCLI
-from gspo_lightning.data import PromptDataModule
-from gspo_lightning.module import GSPOModule
+from gspo_lightning.data.datamodule import PromptDataModule
+from gspo_lightning.training.module import GSPOModule
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
@@ -47,7 +47,7 @@ def test_an_explicit_save_dir_is_kept(tmp_path):
 
 
 def test_no_default_root_dir_means_runs():
-    cfg = parsed("--model.rewards=[{function: gspo_lightning.tasks.echo.echo_reward}]")
+    cfg = parsed("--model.rewards=[{function: gspo_lightning.data.tasks.echo.echo_reward}]")
     assert [str(e.init_args.save_dir) for e in cfg.trainer.logger] == ["runs", "runs"]
 
 

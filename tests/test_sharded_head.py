@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gspo_lightning.logprobs import head_logprobs, response_logprobs
+from gspo_lightning.training.logprobs import head_logprobs, response_logprobs
 
 
 def partition(head: nn.Linear) -> dict:

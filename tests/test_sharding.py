@@ -1,5 +1,5 @@
 """FSDP2 (2 gloo ranks on CPU): the chunked log-prob path under sharding, the sharded
-reference, and generation that gathers once per call (``gspo_lightning/sharding.py``)."""
+reference, and generation that gathers once per call (``gspo_lightning/training/sharding.py``)."""
 
 import subprocess
 import sys

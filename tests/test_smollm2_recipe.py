@@ -40,8 +40,8 @@ def test_recipe_runs_a_step_and_its_export_round_trips(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gspo_lightning.cli import main
-    from gspo_lightning.export import export_checkpoint
-    from gspo_lightning.models import load_tokenizer
+    from gspo_lightning.run.export import export_checkpoint
+    from gspo_lightning.models.loading import load_tokenizer
 
     monkeypatch.chdir(tmp_path)  # the recipe writes under runs/ in the working directory
     main(["fit", "--config", str(RECIPE), "--seed_everything=5",
@@ -55,7 +55,7 @@ def test_recipe_runs_a_step_and_its_export_round_trips(tmp_path, monkeypatch):
 
     original = load_tokenizer("builtin:smollm2-135m-instruct")
     from_ckpt = export_checkpoint(next((tmp_path / "runs" / "smollm2_cpu").rglob("last.ckpt")), tmp_path / "export")
-    for folder in (run / "hf_model", from_ckpt):  # export_on_fit_end's folder and `python -m gspo_lightning.export`
+    for folder in (run / "hf_model", from_ckpt):  # export_on_fit_end's folder and `python -m gspo_lightning.run.export`
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         assert tokenizer.chat_template == original.chat_template

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from gspo_lightning.tasks import BUILTIN_DATASETS, build_tiny
-from gspo_lightning.tasks.echo import echo_reward
-from gspo_lightning.tasks.successor import successor_reward
+from gspo_lightning.data.tasks import BUILTIN_DATASETS, build_tiny
+from gspo_lightning.data.tasks.echo import echo_reward
+from gspo_lightning.data.tasks.successor import successor_reward
 
 
 def test_successor_rows_and_partial_credit():

@@ -6,10 +6,10 @@ backward is collective), and a strategy that measures the gradient norm in its s
 import pytest
 import torch
 
-from gspo_lightning.distributed import GradientSync, deepspeed_grad_norm
-from gspo_lightning.metrics import StepMetrics
+from gspo_lightning.training.distributed import GradientSync, deepspeed_grad_norm
+from gspo_lightning.training.metrics import StepMetrics
 from gspo_lightning.rollout.worker import Rollout
-from gspo_lightning.update import PolicyUpdater, UpdateOps, UpdateSettings
+from gspo_lightning.training.update import PolicyUpdater, UpdateOps, UpdateSettings
 
 N, T = 8, 3
 

@@ -40,7 +40,7 @@ def spec_for(model, tok, name="builtin:tiny-successor-h32", prompt_length=8, res
 
 @pytest.fixture(scope="module")
 def tiny_h32():
-    from gspo_lightning.tasks import build_tiny
+    from gspo_lightning.data.tasks import build_tiny
 
     torch.manual_seed(0)
     return build_tiny("builtin:tiny-successor-h32")

@@ -1,10 +1,17 @@
-"""Generation engines, how weights reach them, and the worker that produces rollouts."""
+"""Rollouts: generation engines (chosen by ``class_path``), how weights reach them, the worker
+that samples and scores, where a step's rollout comes from (now, or generated ahead on a
+producer thread), dynamic sampling, and the rollout server with its client engine."""
 
-from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
-from gspo_lightning.rollout.hf import HFEngine
-from gspo_lightning.rollout.hf_copy import HFCopyEngine
-from gspo_lightning.rollout.remote import RemoteEngine
-from gspo_lightning.rollout.vllm import VLLMEngine
-from gspo_lightning.rollout.worker import Rollout, RolloutWorker
+from gspo_lightning._imports import lazy_exports
 
-__all__ = ["EngineSpec", "Generation", "HFCopyEngine", "HFEngine", "RemoteEngine", "Rollout", "RolloutEngine", "RolloutWorker", "SamplingParams", "VLLMEngine"]
+EXPORTS = {
+    **dict.fromkeys(["EngineSpec", "Generation", "RolloutEngine", "SamplingParams"], "engine"),
+    "HFEngine": "hf",
+    "HFCopyEngine": "hf_copy",
+    "RemoteEngine": "remote",
+    "VLLMEngine": "vllm",
+    **dict.fromkeys(["Rollout", "RolloutWorker"], "worker"),
+    **dict.fromkeys(["WeightTransport", "InProcessTransport", "FolderTransport", "NCCLTransport"], "transport"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gspo_lightning.hf_cache import cache_kwargs, output_cache
+from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
 from gspo_lightning.rollout import kv_decode
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
-from gspo_lightning.sampling import filter_logits
-from gspo_lightning.sharding import gathered
+from gspo_lightning.rollout.sampling import filter_logits
+from gspo_lightning.training.sharding import gathered
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -142,7 +142,7 @@ class RolloutServer:
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:
-        from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
+        from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 
         spec = self.spec
         tokenizer = load_tokenizer(spec.model_name_or_path, spec.trust_remote_code)

@@ -445,7 +445,7 @@ class VLLMEngine(RolloutEngine):
         self.sleep()  # free the KV cache until the first rollout (no-op without sleep mode)
 
     def _llm_kwargs(self, spec: EngineSpec, max_model_len: Optional[int]) -> dict[str, Any]:
-        from gspo_lightning.tasks import is_builtin
+        from gspo_lightning.data.tasks import is_builtin
 
         model = spec.model_name_or_path
         if is_builtin(model):

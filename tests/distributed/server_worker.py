@@ -12,8 +12,8 @@ import warnings
 import lightning as L
 import torch
 
-from gspo_lightning.data import PromptDataModule
-from gspo_lightning.module import GSPOModule
+from gspo_lightning.data.datamodule import PromptDataModule
+from gspo_lightning.training.module import GSPOModule
 from gspo_lightning.rewards import RewardSpec
 from gspo_lightning.rollout import HFEngine, RemoteEngine
 from gspo_lightning.rollout.remote import request_json
@@ -61,7 +61,7 @@ def run(strategy_name: str, engine_name: str, out_dir: str, save_as: str):
     L.seed_everything(3, verbose=False)
     engine = HFEngine() if engine_name == "colocated" else RemoteEngine(urls=None, start_timeout_s=120)
     module = GSPOModule(
-        model_name_or_path="builtin:tiny-successor", export_on_fit_end=False, rewards=[RewardSpec(function="gspo_lightning.tasks.successor.successor_reward")],
+        model_name_or_path="builtin:tiny-successor", export_on_fit_end=False, rewards=[RewardSpec(function="gspo_lightning.data.tasks.successor.successor_reward")],
         engine=engine, num_return_sequences_in_group=4, response_length=5, num_mini_batches=1, rollout_seed=11,
         optimizer=lambda p: torch.optim.AdamW(p, lr=0.01),
     )

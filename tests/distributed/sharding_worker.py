@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gspo_lightning import logprobs as logprobs_module
-from gspo_lightning.distributed import all_ranks_true
-from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.models import load_policy
-from gspo_lightning.module import GSPOModule
+from gspo_lightning.training import logprobs as logprobs_module
+from gspo_lightning.training.distributed import all_ranks_true
+from gspo_lightning.training.logprobs import response_logprobs
+from gspo_lightning.models.loading import load_policy
+from gspo_lightning.training.module import GSPOModule
 from gspo_lightning.rollout.engine import EngineSpec, SamplingParams
 from gspo_lightning.rollout.hf import HFEngine
 from gspo_lightning.rollout.worker import Rollout

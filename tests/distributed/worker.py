@@ -13,8 +13,8 @@ import warnings
 import lightning as L
 import torch
 
-from gspo_lightning.data import PromptDataModule
-from gspo_lightning.module import GSPOModule
+from gspo_lightning.data.datamodule import PromptDataModule
+from gspo_lightning.training.module import GSPOModule
 from gspo_lightning.rollout.engine import Generation, RolloutEngine
 from gspo_lightning.rewards import RewardSpec
 
@@ -81,7 +81,7 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     L.seed_everything(0, verbose=False)
     settings = {"model_name_or_path": "builtin:tiny-echo", "micro_batch_size": 3, **CASES[case]}
     module = GSPOModule(
-        rewards=[RewardSpec(function="gspo_lightning.tasks.echo.echo_reward")], engine=DeterministicEngine(),
+        rewards=[RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")], engine=DeterministicEngine(),
         num_return_sequences_in_group=4, response_length=5, max_grad_norm=None, num_mini_batches=1,
         **settings, optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
     )

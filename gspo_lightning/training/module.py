@@ -42,19 +42,19 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from gspo_lightning.advantages import RunningMoments, rewards_to_advantages
-from gspo_lightning.clip_budget import ClipBudget
-from gspo_lightning.distributed import GradientSync, all_ranks_true, all_reduce_sum
+from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
+from gspo_lightning.objective.clip_budget import ClipBudget
+from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.errors import NonFiniteError
-from gspo_lightning.evaluation import record_eval_rollout
-from gspo_lightning.loggers import logger_identity
-from gspo_lightning.logprobs import response_logprobs
-from gspo_lightning.loss_scaling import LossScaling
-from gspo_lightning.metrics import StepMetrics, step_values
-from gspo_lightning.gguf_models import resolve_model
-from gspo_lightning.models import eos_token_ids, load_policy, load_tokenizer
-from gspo_lightning.offpolicy import OffPolicyCorrection, importance_weights
-from gspo_lightning.options import (
+from gspo_lightning.objective.passk import record_eval_rollout
+from gspo_lightning.run.loggers import logger_identity
+from gspo_lightning.training.logprobs import response_logprobs
+from gspo_lightning.training.loss_scaling import LossScaling
+from gspo_lightning.training.metrics import StepMetrics, step_values
+from gspo_lightning.models.gguf import resolve_model
+from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
+from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
+from gspo_lightning.objective.options import (
     AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, RewardNorm,
     clip_range, validate_gspo_settings,
 )
@@ -63,8 +63,8 @@ from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine,
 from gspo_lightning.rollout.pipeline import StaleRollouts
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.strategy_ops import StrategyOps
-from gspo_lightning.update import MetricHook, PolicyUpdater, update_settings
+from gspo_lightning.training.strategy_ops import StrategyOps
+from gspo_lightning.training.update import MetricHook, PolicyUpdater, update_settings
 
 __all__ = ["GSPOModule", "NonFiniteError"]
 
@@ -259,7 +259,7 @@ class GSPOModule(L.LightningModule):
         )
         self.policy = None
         self.reference = None
-        self.routing_recorder = None  # MoE policies: gspo_lightning.moe.RoutingRecorder (experts chosen per token)
+        self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
         self.running_rewards = RunningMoments()
         self.step_metrics = StepMetrics()
         self.val_metrics = StepMetrics()
@@ -297,13 +297,13 @@ class GSPOModule(L.LightningModule):
             self._fully_shard(self.device_mesh)
         config = self.policy.config
         if hp.routing_replay or hp.router_aux_loss_coef > 0 or getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
-            from gspo_lightning.moe import RoutingRecorder
+            from gspo_lightning.models.moe import RoutingRecorder
 
             self.routing_recorder = RoutingRecorder(self.policy)
 
     def _fully_shard(self, mesh) -> None:
         """FSDP2: the policy and the frozen reference, sharded alike (``sharding.py``)."""
-        from gspo_lightning.sharding import data_parallel_mesh, fully_shard_causal_lm
+        from gspo_lightning.training.sharding import data_parallel_mesh, fully_shard_causal_lm
 
         dp_mesh = data_parallel_mesh(mesh)
         self._chunked_logprobs = fully_shard_causal_lm(self.policy, dp_mesh)
@@ -327,10 +327,10 @@ class GSPOModule(L.LightningModule):
                              "[{function: gspo_lightning.rewards.math_accuracy}]")
 
     def configure_callbacks(self):
-        from gspo_lightning.plotting import TrainingCurves
-        from gspo_lightning.preemption import PreemptionCheckpoint
-        from gspo_lightning.progress import step_progress_bar
-        from gspo_lightning.summary import run_summary
+        from gspo_lightning.run.plotting import TrainingCurves
+        from gspo_lightning.run.preemption import PreemptionCheckpoint
+        from gspo_lightning.run.progress import step_progress_bar
+        from gspo_lightning.run.summary import run_summary
 
         trainer = self.trainer
         summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
@@ -399,7 +399,7 @@ class GSPOModule(L.LightningModule):
             raise ValueError(f"the run is already at step {step} and trainer.max_steps={max_steps}: nothing to train. "
                              f"To continue from this checkpoint, set --trainer.max_steps above {step}")
         if self.hparams.export_on_fit_end:
-            from gspo_lightning.export import export_after_fit
+            from gspo_lightning.run.export import export_after_fit
 
             folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
             export_after_fit(self.policy, self.tokenizer, folder, sharded=self.sharded, is_global_zero=self.trainer.is_global_zero)

@@ -20,9 +20,9 @@ from typing import ContextManager, Optional, Sequence
 import torch
 from torch import Tensor
 
-from gspo_lightning.distributed import GradientSync, all_reduce_sum, deepspeed_grad_norm
-from gspo_lightning.loss_scaling import LossScaling
-from gspo_lightning.update import UpdateOps
+from gspo_lightning.training.distributed import GradientSync, all_reduce_sum, deepspeed_grad_norm
+from gspo_lightning.training.loss_scaling import LossScaling
+from gspo_lightning.training.update import UpdateOps
 
 
 class StrategyOps(UpdateOps):

@@ -1,7 +1,7 @@
 """Offline tasks and locally built tiny models, for the quickstart, tests and benchmarks."""
 
-from gspo_lightning.tasks import addition, alternate, echo, pattern, successor
-from gspo_lightning.tasks.tiny import BUILTIN_PREFIX, TINY_MODELS, build_tiny, is_builtin, save_tiny
+from gspo_lightning.data.tasks import addition, alternate, echo, pattern, successor
+from gspo_lightning.data.tasks.tiny import BUILTIN_PREFIX, TINY_MODELS, build_tiny, is_builtin, save_tiny
 
 # builtin:<name> data sources: name -> function(num_rows, seed) -> rows
 BUILTIN_DATASETS = {"echo": echo.make_rows, "successor": successor.make_rows, "alternate": alternate.make_rows,

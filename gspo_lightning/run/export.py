@@ -1,7 +1,7 @@
 """The trained policy as a Hugging Face folder (safetensors + tokenizer) that
 transformers and vLLM load directly.
 
-    python -m gspo_lightning.export runs/.../last.ckpt exported/
+    python -m gspo_lightning.run.export runs/.../last.ckpt exported/
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
 
     The checkpoint is read with ``weights_only=True``: no pickled code runs.
     """
-    from gspo_lightning.gguf_models import resolve_model
-    from gspo_lightning.models import load_policy, load_tokenizer
+    from gspo_lightning.models.gguf import resolve_model
+    from gspo_lightning.models.loading import load_policy, load_tokenizer
 
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     hparams = checkpoint.get("hyper_parameters", {})

@@ -64,7 +64,7 @@ def pass_at_k_from_scores(
 def record_eval_rollout(metrics, stage: str, rewards, lengths, group_size: int, accuracy_threshold: float) -> None:
     """Mean reward, accuracy, pass@1 and pass@k (k = samples per prompt) of one eval batch.
 
-    ``metrics`` is a :class:`~gspo_lightning.metrics.StepMetrics`; ``rewards`` ``(N,)`` with
+    ``metrics`` is a :class:`~gspo_lightning.training.metrics.StepMetrics`; ``rewards`` ``(N,)`` with
     the ``group_size`` samples of a prompt in consecutive rows."""
     import torch
 

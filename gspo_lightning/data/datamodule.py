@@ -17,8 +17,8 @@ from typing import Any, Iterator, Literal, Optional, Union
 import lightning as L
 from torch.utils.data import DataLoader, Sampler
 
-from gspo_lightning.datasets import BUILTIN_FILES
-from gspo_lightning.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
+from gspo_lightning.data.datasets import BUILTIN_FILES
+from gspo_lightning.data.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class PromptDataModule(L.LightningDataModule):
     # -- preparation -------------------------------------------------------------------
     def _get_tokenizer(self):
         if self.tokenizer is None and self.hparams.tokenizer is not None:
-            from gspo_lightning.models import load_tokenizer
+            from gspo_lightning.models.loading import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.hparams.tokenizer)
         if self.tokenizer is None:
@@ -430,7 +430,7 @@ def has_chat_template(tokenizer) -> bool:
 def warn_chat_template_mismatch(tokenizer, use_chat_template: bool, name: Optional[str]) -> None:
     """Warn once when prompts are rendered unlike the model was tuned: an instruct model's chat
     template left unused, or ``use_chat_template`` asked of a tokenizer that has none."""
-    from gspo_lightning.tasks.tiny import CHAT_TEMPLATE as TINY_TEMPLATE
+    from gspo_lightning.data.tasks.tiny import CHAT_TEMPLATE as TINY_TEMPLATE
 
     has_template = has_chat_template(tokenizer)
     if has_template == use_chat_template or tokenizer.chat_template == TINY_TEMPLATE:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gspo_lightning.hf_cache import cache_kwargs, output_cache
-from gspo_lightning.sampling import keep_mask
+from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
+from gspo_lightning.rollout.sampling import keep_mask
 
 # Response logits up to this size (float32 bytes, all rows) are projected in one piece and
 # kept for backward (e.g. 64 responses x 32 tokens at a 32k vocabulary: 250 MiB).

@@ -109,7 +109,7 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
         problems.append("stale_rollouts=reweight keeps too-stale rollouts for the importance correction, and off_policy is "
                         "not set: set off_policy (e.g. {mode: decoupled}) or stale_rollouts=regenerate")
     if s.get("off_policy"):
-        from gspo_lightning.offpolicy import OffPolicyCorrection, check_correction
+        from gspo_lightning.objective.offpolicy import OffPolicyCorrection, check_correction
 
         problems += check_correction(OffPolicyCorrection(**s["off_policy"]), old_logprobs=s["old_logprobs"],
                                      importance_sampling=s["importance_sampling"])

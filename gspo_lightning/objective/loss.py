@@ -16,7 +16,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from gspo_lightning.options import ImportanceSampling, KLEstimator, LossAggMode, check_choice, choices
+from gspo_lightning.objective.options import ImportanceSampling, KLEstimator, LossAggMode, check_choice, choices
 
 IMPORTANCE_SAMPLING_LEVELS = choices(ImportanceSampling)
 LOSS_AGG_MODES = choices(LossAggMode)

@@ -26,7 +26,7 @@ class TinyModelSpec:
 
     tokenizer: str = "words"  # "words": whitespace word-level over `words`; "bpe": BPE trained on `corpus`
     words: tuple[str, ...] = ()
-    corpus: Optional[str] = None  # "gsm8k": the GSM8K subset shipped in gspo_lightning/datasets
+    corpus: Optional[str] = None  # "gsm8k": the GSM8K subset shipped in gspo_lightning/data/datasets
     bpe_vocab_size: int = 2000
     # "llama", not "qwen2": transformers' AutoTokenizer forces Qwen2's byte-level tokenizer on
     # any qwen2 checkpoint, which drops the spaces of these tokenizers in exported folders
@@ -91,7 +91,7 @@ def is_builtin(name_or_path: str) -> bool:
 def _corpus_lines(corpus: str) -> Iterable[str]:
     if corpus != "gsm8k":
         raise ValueError(f"unknown corpus {corpus!r}")
-    from gspo_lightning.datasets import BUILTIN_FILES
+    from gspo_lightning.data.datasets import BUILTIN_FILES
 
     # the GSM8K subset shipped in the package: a builtin model needs nothing outside it
     for name in ("gsm8k", "gsm8k-heldout"):
@@ -158,7 +158,7 @@ def build_config(spec: TinyModelSpec, tokenizer):
 def get_spec(name: str) -> TinyModelSpec:
     key = name[len(BUILTIN_PREFIX):] if is_builtin(name) else name
     if key not in TINY_MODELS:
-        from gspo_lightning.gguf_models import GGUF_MODELS
+        from gspo_lightning.models.gguf import GGUF_MODELS
 
         choices = sorted(BUILTIN_PREFIX + k for k in [*TINY_MODELS, *GGUF_MODELS])
         raise ValueError(f"unknown builtin model {name!r}; choose one of {choices}")

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
-from gspo_lightning.loss import policy_loss
-from gspo_lightning.metrics import StepMetrics
-from gspo_lightning.row_filters import loss_mask, micro_batches, rows_with_advantage
+from gspo_lightning.objective.loss import policy_loss
+from gspo_lightning.training.metrics import StepMetrics
+from gspo_lightning.training.row_filters import loss_mask, micro_batches, rows_with_advantage
 from gspo_lightning.rollout.worker import Rollout
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from gspo_lightning.distributed import GradientSync, clip_grad_norm
+from gspo_lightning.training.distributed import GradientSync, clip_grad_norm
 
 
 class LossScaling:

@@ -25,8 +25,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from gspo_lightning.loss import kl_penalty
-from gspo_lightning.options import GROUP_ESTIMATORS, AdvEstimator, RewardNorm, check_choice, choices
+from gspo_lightning.objective.loss import kl_penalty
+from gspo_lightning.objective.options import GROUP_ESTIMATORS, AdvEstimator, RewardNorm, check_choice, choices
 
 REWARD_NORMS = (None, *choices(RewardNorm))
 ADV_ESTIMATORS = choices(AdvEstimator)

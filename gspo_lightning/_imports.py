@@ -1,0 +1,93 @@
+"""How the package's names are found: each folder's public names, imported on first use, and
+the module paths of releases before the package was laid out by concern.
+
+Lazy, so that ``gspo --help`` and ``gspo serve`` import nothing they do not use, and so that
+the ``gspo`` command sets OpenMP's environment before anything imports torch
+(``run/cpu_env.py``). A name is imported from its module the first time it is read
+(PEP 562), and then kept on the folder like any attribute.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from typing import Callable
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for a folder's ``__init__``: ``exports`` maps each public
+    name to the module (relative to ``package``) that defines it."""
+
+    def __getattr__(name: str) -> object:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        setattr(sys.modules[package], name, value)  # found once, then a plain attribute
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__
+
+
+# Module paths before the package was laid out by concern (0.1 as first released) -> today's.
+# Configs and checkpoints that name the old paths (``gspo_lightning.tasks.successor.successor_reward``,
+# ``gspo_lightning.loggers.CSVLogger``, ``gspo_lightning.module.GSPOModule``) keep working: the old
+# name is the same module object as the new one, so classes and isinstance checks agree.
+MOVED = {
+    "loss": "objective.loss", "advantages": "objective.advantages", "offpolicy": "objective.offpolicy",
+    "clip_budget": "objective.clip_budget", "options": "objective.options", "evaluation": "objective.passk",
+    "module": "training.module", "update": "training.update", "strategy_ops": "training.strategy_ops",
+    "loss_scaling": "training.loss_scaling", "distributed": "training.distributed", "sharding": "training.sharding",
+    "row_filters": "training.row_filters", "logprobs": "training.logprobs", "metrics": "training.metrics",
+    "gguf_models": "models.gguf", "hf_cache": "models.hf_cache", "moe": "models.moe",
+    "sampling": "rollout.sampling", "tasks": "data.tasks", "datasets": "data.datasets",
+    "loggers": "run.loggers", "progress": "run.progress", "plotting": "run.plotting", "summary": "run.summary",
+    "preemption": "run.preemption", "cpu_env": "run.cpu_env", "export": "run.export",
+}
+
+
+def moved_target(fullname: str, package: str = "gspo_lightning") -> str | None:
+    """Today's module path for an old one (``gspo_lightning.tasks.echo`` -> ``...data.tasks.echo``), else None."""
+    prefix = package + "."
+    if not fullname.startswith(prefix):
+        return None
+    head, _, rest = fullname[len(prefix):].partition(".")
+    new = MOVED.get(head)
+    if new is None:
+        return None
+    return f"{prefix}{new}" + (f".{rest}" if rest else "")
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module path as the module it moved to (one object under both names)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        new = moved_target(fullname)
+        if new is None:
+            return None
+        found = importlib.util.find_spec(new)
+        if found is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=found.submodule_search_locations is not None)
+
+    def create_module(self, spec):
+        new = moved_target(spec.name)
+        warnings.warn(f"{spec.name} moved to {new}; the old path still works", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module) -> None:
+        pass  # the module ran under its own name already
+
+
+def install_moved_modules() -> None:
+    # first: the path finder would otherwise load ``gspo_lightning.tasks.echo`` a second time,
+    # as a new module, from the folder of its alias ``gspo_lightning.tasks``
+    if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModuleFinder())

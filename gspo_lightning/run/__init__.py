@@ -1,0 +1,17 @@
+"""The run around training: the ``gspo fit|validate|test`` command, loggers that write into the
+run folder, the progress bar, the start-of-run summary, curves, preemption checkpoints, CPU
+thread settings, the Hugging Face export."""
+
+from gspo_lightning._imports import lazy_exports
+
+EXPORTS = {
+    **dict.fromkeys(["CSVLogger", "TensorBoardLogger"], "loggers"),
+    **dict.fromkeys(["StepProgressBar", "RichStepProgressBar"], "progress"),
+    **dict.fromkeys(["RunSummary", "RichRunSummary"], "summary"),
+    **dict.fromkeys(["TrainingCurves", "plot_history"], "plotting"),
+    **dict.fromkeys(["PreemptionCheckpoint", "Preempted"], "preemption"),
+    "configure_cpu_env": "cpu_env",
+    **dict.fromkeys(["save_policy", "export_checkpoint"], "export"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)
