@@ -141,7 +141,7 @@ def section(title: str, cls) -> list[str]:
 
 def render() -> str:
     sys.path.insert(0, str(ROOT))
-    from gspo_lightning.cli import TRAINER_DEFAULTS
+    from gspo_lightning.run.command import TRAINER_DEFAULTS
     from gspo_lightning.data.datamodule import PromptDataModule
     from gspo_lightning.training.module import GSPOModule
     from gspo_lightning.rollout import HFEngine

@@ -39,12 +39,12 @@ def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, respons
     ``(server, httpd, url)``; stop with ``httpd.shutdown(); server.close()``."""
     import threading
 
-    from gspo_lightning.rollout.server import RolloutServer, ServerSpec
+    from gspo_lightning.rollout.server import RolloutServer, ServerSpec, http_server
 
     server = RolloutServer(ServerSpec(model, prompt_length=prompt_length, response_length=response_length, seed=seed,
                                       engine=engine), **server_kwargs)
     server.start()
-    httpd = server.http_server("127.0.0.1", 0)
+    httpd = http_server(server, "127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return server, httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 

@@ -125,7 +125,7 @@ def test_debug_switch_shows_the_traceback(tmp_path, monkeypatch, switch):
 
 
 def test_unexpected_errors_keep_their_traceback(monkeypatch):
-    import gspo_lightning.cli as cli
+    import gspo_lightning.run.command as cli
 
     def internal_bug(*args, **kwargs):
         raise RuntimeError("an internal error")
@@ -139,7 +139,7 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
 
 
 def test_non_finite_stop_is_an_expected_error(monkeypatch, capsys):
-    import gspo_lightning.cli as cli
+    import gspo_lightning.run.command as cli
     from gspo_lightning.errors import NonFiniteError
 
     def diverged(*args, **kwargs):
@@ -220,3 +220,54 @@ def test_reward_module_in_the_working_directory_imports_with_the_gspo_command(tm
     assert result.returncode == 2
     assert "gspo: error: reward function 'broken': raised KeyError" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# -- the entry point parses before it imports ------------------------------------------------------
+ENTRY_PROBE = """
+import sys, time
+start = time.perf_counter()
+from gspo_lightning.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as stop:
+    assert stop.code in (0, None), stop.code
+heavy = sorted(m for m in ("torch", "lightning", "transformers") if m in sys.modules)
+print("HEAVY=" + ",".join(heavy), "SECONDS=%.3f" % (time.perf_counter() - start))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--version"], ["serve", "--help"]])
+def test_help_and_serve_help_import_neither_torch_nor_lightning(argv):
+    out = subprocess.run([sys.executable, "-c", ENTRY_PROBE, *argv], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    heavy = out.stdout.rsplit("HEAVY=", 1)[1].split()[0] if not out.stdout.rsplit("HEAVY=", 1)[1].startswith(" ") else ""
+    assert heavy == "", f"imported {heavy} before dispatching"
+    assert float(out.stdout.rsplit("SECONDS=", 1)[1]) < 1.0
+    assert ("gspo-lightning 0.1" if argv == ["--version"] else "usage: gspo") in out.stdout
+
+
+def test_no_command_prints_the_commands_and_fails(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2 and "fit" in capsys.readouterr().out
+
+
+def test_old_module_paths_are_the_moved_modules():
+    """Configs and checkpoints naming 0.1's module paths keep working, as the same objects."""
+    import importlib
+
+    import gspo_lightning.data.tasks.successor as successor
+    from gspo_lightning.run.loggers import CSVLogger
+    from gspo_lightning.training.module import GSPOModule
+
+    assert importlib.import_module("gspo_lightning.tasks.successor") is successor
+    assert importlib.import_module("gspo_lightning.module").GSPOModule is GSPOModule
+    assert importlib.import_module("gspo_lightning.loggers").CSVLogger is CSVLogger
+    from gspo_lightning.rewards.base import import_function
+
+    assert import_function("gspo_lightning.tasks.successor.successor_reward") is successor.successor_reward
+    from gspo_lightning.rollout import VLLMEngine
+    from gspo_lightning.rollout.vllm import VLLMEngine as defined
+
+    assert VLLMEngine is defined

@@ -19,7 +19,7 @@ class Watch(importlib.abc.MetaPathFinder):
             seen.append(os.environ.get("OMP_WAIT_POLICY", "<unset>"))
         return None
 sys.meta_path.insert(0, Watch())
-import gspo_lightning.cli
+import gspo_lightning.run.command  # the module that imports Lightning, hence torch
 print("AT_TORCH_IMPORT=" + seen[0])
 """
 

@@ -299,11 +299,11 @@ def test_a_second_trainer_is_refused_until_the_first_lets_go(server):
 
 def serve_on(port: int):
     """A fresh rollout server (new ``server_id``, no weights) on ``port``, in this process."""
-    from gspo_lightning.rollout.server import RolloutServer, ServerSpec
+    from gspo_lightning.rollout.server import RolloutServer, ServerSpec, http_server
 
     app = RolloutServer(ServerSpec(MODEL, prompt_length=8, response_length=6, engine=HF))
     app.start()
-    httpd = app.http_server("127.0.0.1", port)
+    httpd = http_server(app, "127.0.0.1", port)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return app, httpd
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_lightning.cli import GSPOCLI
+from gspo_lightning.run.command import GSPOCLI
 from gspo_lightning.data.datamodule import PromptDataModule
 from gspo_lightning.training.module import GSPOModule
 

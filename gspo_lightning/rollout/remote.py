@@ -1,4 +1,4 @@
-"""The client engine: rollouts from rollout servers (``rollout/server.py``), wherever they run.
+"""The client engine: rollouts from rollout servers (``rollout/server/``), wherever they run.
 
 .. code-block:: yaml
 
@@ -46,7 +46,7 @@ import torch
 
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
-from gspo_lightning.rollout.server import DEFAULT_ENGINE, ServerSpec, model_fingerprint
+from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, model_fingerprint
 from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
 from gspo_lightning.rollout.weight_sync import engine_name
 
@@ -409,13 +409,13 @@ class ChildServer:
         return env
 
     def start(self, timeout_s: float) -> str:
-        from gspo_lightning.rollout.server import spec_json
+        from gspo_lightning.rollout.server.command import spec_json
 
         self.folder = tempfile.TemporaryDirectory(prefix="gspo-server-")
         folder = Path(self.folder.name)
         (folder / "spec.json").write_text(spec_json(self.spec))
         port_file, log = folder / "port", folder / "server.log"
-        command = [self.python, "-m", "gspo_lightning.rollout.server", "--spec", str(folder / "spec.json"),
+        command = [self.python, "-m", "gspo_lightning.rollout.server.command", "--spec", str(folder / "spec.json"),
                    "--host", "127.0.0.1", "--port", "0", "--port_file", str(port_file),
                    "--parent_pid", str(os.getpid()), "--lease_s", str(self.lease_s)]
         with open(log, "w") as out:

@@ -1,0 +1,22 @@
+"""A rollout server: any :class:`~gspo_lightning.rollout.engine.RolloutEngine` behind a small
+HTTP + JSON API, in four parts:
+
+- ``host.py``: :class:`RolloutServer`, hosting an engine: the model's identity, weight loads
+  and generations under one lock (a push waits for the generation in flight, and a
+  generation never sees two versions);
+- ``lease.py``: :class:`SessionLease`, which trainer holds the server;
+- ``http.py``: the routes (the API table) and the request handler;
+- ``command.py``: ``gspo serve``.
+"""
+
+from gspo_lightning._imports import lazy_exports
+
+EXPORTS = {
+    **dict.fromkeys(["RolloutServer", "ServerSpec", "VersionError", "DEFAULT_ENGINE", "build_engine", "fingerprint",
+                     "model_fingerprint"], "host"),
+    **dict.fromkeys(["SessionError", "SessionLease"], "lease"),
+    **dict.fromkeys(["ROUTES", "http_server"], "http"),
+    **dict.fromkeys(["main", "spec_from_config", "spec_json"], "command"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

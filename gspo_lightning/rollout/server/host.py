@@ -1,0 +1,225 @@
+"""Hosting an engine: :class:`RolloutServer` starts the engine a :class:`ServerSpec` names on
+its model, reports the model's identity, loads pushed weights and generates, and says which
+weights version (and checksum) every reply was made with.
+
+Generation and weight loads take one lock: a push waits for the generation in flight, and a
+generation never sees two versions. Who may ask is the lease's business (``lease.py``); how
+requests arrive, the HTTP layer's (``http.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from gspo_lightning.rollout.engine import EngineSpec, RolloutEngine, SamplingParams
+from gspo_lightning.rollout.server.lease import SessionLease
+from gspo_lightning.rollout.transport import RECEIVERS, WeightsChecksum
+
+DEFAULT_ENGINE = {"class_path": "gspo_lightning.rollout.HFEngine", "init_args": {}}
+
+
+@dataclass
+class ServerSpec:
+    """What a server needs to start its engine (the trainer-side fields of ``EngineSpec``)."""
+
+    model_name_or_path: str
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    prompt_length: Optional[int] = None
+    response_length: int = 256
+    seed: int = 0
+    engine: dict = field(default_factory=lambda: dict(DEFAULT_ENGINE))
+
+
+class VersionError(RuntimeError):
+    """The server does not serve the version a request asked for."""
+
+
+# config entries that decide what a model computes, named alike across transformers versions
+# (a trainer and a server may run different ones: the vLLM environment pins its own)
+IDENTITY_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "tie_word_embeddings",
+                 "num_experts", "num_local_experts", "num_experts_per_tok")
+
+
+def fingerprint(named_shapes, config: Optional[dict] = None) -> str:
+    """The model's identity: its parameter names and shapes, and the config entries that
+    shapes do not show (two models can share every shape and split heads differently)."""
+    text = "\n".join(f"{name}:{tuple(shape)}" for name, shape in sorted(named_shapes))
+    if config:
+        kept = {k: config[k] for k in IDENTITY_KEYS if config.get(k) is not None}
+        text += "\n" + json.dumps(kept, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module, name=lambda n: n) -> str:
+    config = getattr(model, "config", None)
+    return fingerprint(((name(n), p.shape) for n, p in model.named_parameters()),
+                       config.to_dict() if config is not None else None)
+
+
+def build_engine(engine: dict) -> RolloutEngine:
+    """An engine from ``{class_path, init_args}`` (a short name means ``gspo_lightning.rollout``)."""
+    class_path = engine.get("class_path") or DEFAULT_ENGINE["class_path"]
+    if "." not in class_path:
+        class_path = f"gspo_lightning.rollout.{class_path}"
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise ValueError(f"server engine {class_path!r} is not a gspo_lightning RolloutEngine")
+    if getattr(cls, "is_client", False):
+        raise ValueError(f"a rollout server cannot host {name}, the client engine: give it a generating engine "
+                         "(gspo_lightning.rollout.HFEngine or VLLMEngine)")
+    return cls(**dict(engine.get("init_args") or {}))
+
+
+class RolloutServer:
+    """An engine, its model identity, the weights version it serves, and who holds it.
+
+    Args:
+        spec: the model and engine to serve.
+        lease_s: a trainer idle this long loses its hold (a crashed trainer frees the server).
+        version_wait_s: how long a generation waits for the weights version it asks for
+            (ranks of one trainer ask for the version rank 0 is pushing).
+    """
+
+    def __init__(self, spec: ServerSpec, lease_s: float = 120.0, version_wait_s: float = 120.0):
+        self.spec = spec
+        self.lease = SessionLease(lease_s)
+        self.version_wait_s = version_wait_s
+        self.engine = build_engine(spec.engine)
+        self.server_id = uuid.uuid4().hex
+        self.version = -1
+        self.checksum: Optional[str] = None
+        self.condition = threading.Condition()  # held by a generation or a weight load
+        self.identity: dict[str, Any] = {}
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self) -> None:
+        from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
+
+        spec = self.spec
+        tokenizer = load_tokenizer(spec.model_name_or_path, spec.trust_remote_code)
+        model = load_policy(spec.model_name_or_path, tokenizer, spec.dtype, None, spec.trust_remote_code)
+        model.eval().requires_grad_(False)
+        model.config.use_cache = False
+        eos = eos_token_ids(model, tokenizer)
+        self.identity = {
+            "model": spec.model_name_or_path, "architecture": type(model).__name__,
+            "fingerprint": model_fingerprint(model),
+            "eos_token_ids": sorted(eos), "pad_token_id": tokenizer.pad_token_id, "dtype": spec.dtype,
+            "engine": f"{type(self.engine).__module__}.{type(self.engine).__qualname__}",
+        }
+        self.engine.start(EngineSpec(
+            model_name_or_path=spec.model_name_or_path, dtype=spec.dtype, prompt_length=spec.prompt_length,
+            response_length=spec.response_length, seed=spec.seed, eos_token_ids=eos,
+            pad_token_id=tokenizer.pad_token_id, trust_remote_code=spec.trust_remote_code,
+            policy=model, tokenizer=tokenizer,
+        ))
+        # the model the engine samples from, to read its weights back after a load (HF engines);
+        # None for engines that keep their own (vLLM): their checksum is of what they received
+        held = getattr(self.engine, "model", None)
+        self.held_model: Optional[nn.Module] = held if isinstance(held, nn.Module) else None
+
+    def info(self) -> dict:
+        return {**self.identity, "server_id": self.server_id, "version": self.version, "checksum": self.checksum,
+                "session": self.lease.held()}
+
+    # -- weights -------------------------------------------------------------------------
+    def load(self, token: str, version: int, manifest: dict) -> dict:
+        self.lease.hold(token)
+        receive = RECEIVERS.get(manifest.get("kind"))
+        if receive is None:
+            raise ValueError(f"unknown weight transport {manifest.get('kind')!r}; this server reads {sorted(RECEIVERS)}")
+        start = time.perf_counter()
+        with self.condition:
+            received = WeightsChecksum()
+            dtypes: dict[str, torch.dtype] = {}
+
+            def pairs() -> Iterator[tuple[str, Tensor]]:
+                for name, tensor in receive(manifest):
+                    received.update(name, tensor)
+                    dtypes[name] = tensor.dtype
+                    yield name, tensor
+
+            self.version = -1  # a load that fails half-way leaves no version behind
+            self.checksum = None
+            self._load_pairs(pairs(), int(version))
+            if received.hexdigest() != manifest.get("checksum"):
+                raise ValueError("the weights read differ from what the trainer sent (checksum): a partial or stale "
+                                 f"weights folder at {manifest.get('path')}")
+            self.checksum = self._held_checksum(manifest["names"], dtypes) or received.hexdigest()
+            self.version = int(version)
+            self.condition.notify_all()
+        self.lease.hold(token)
+        return {"version": self.version, "checksum": self.checksum, "seconds": time.perf_counter() - start,
+                "tensors": received.tensors, "bytes": received.bytes}
+
+    def _load_pairs(self, pairs: Iterator[tuple[str, Tensor]], version: int) -> None:
+        if not self.engine.shares_policy_weights:
+            self.engine.update_weights(pairs, version)
+            return
+        # the engine samples from the server's model: copy into its parameters
+        params = dict(self.held_model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in pairs:
+                target = params.get(name)
+                if target is None or target.shape != tensor.shape:
+                    raise ValueError(f"pushed weight {name!r} {tuple(tensor.shape)} does not fit this server's model "
+                                     f"{self.spec.model_name_or_path} ({'missing' if target is None else tuple(target.shape)})")
+                target.copy_(tensor)
+
+    def _held_checksum(self, names: list[str], dtypes: dict[str, torch.dtype]) -> Optional[str]:
+        """The checksum of the weights the engine now holds, when it can be read back in the
+        dtypes that were sent (else ``None``: the checksum of what was received stands)."""
+        if self.held_model is None:
+            return None
+        params = dict(self.held_model.named_parameters())
+        if any(name not in params or params[name].dtype != dtypes[name] for name in names):
+            return None
+        total = WeightsChecksum()
+        for name in names:
+            total.update(name, params[name])
+        return total.hexdigest()
+
+    # -- generation ----------------------------------------------------------------------
+    def generate(self, token: str, prompt_ids: list[list[int]], n: int, params: dict, seed: int,
+                 version: Optional[int]) -> dict:
+        self.lease.hold(token)
+        sampling = SamplingParams(**params)
+        deadline = time.monotonic() + self.version_wait_s
+        with self.condition:
+            # a newer version is fine (a trainer that pushed while this request was on its way)
+            while version is not None and self.version < version and time.monotonic() < deadline:
+                self.condition.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if version is not None and self.version < version:
+                raise VersionError(f"the server serves weights version {self.version}, the request asks for {version} or newer")
+            self.engine.wake()
+            try:
+                generation = self.engine.generate(prompt_ids, n, sampling, seed)
+            finally:
+                self.engine.sleep()
+            served, checksum = self.version, self.checksum
+        self.lease.hold(token)
+        lengths = generation.lengths.tolist()
+        return {
+            "completion_ids": [row[:k] for row, k in zip(generation.completion_ids.tolist(), lengths)],
+            "logprobs": [row[:k] for row, k in zip(generation.logprobs.tolist(), lengths)],
+            "truncated": generation.truncated.tolist(), "version": served, "checksum": checksum,
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+__all__ = ["DEFAULT_ENGINE", "RolloutServer", "ServerSpec", "VersionError", "build_engine", "fingerprint", "model_fingerprint"]

@@ -1,0 +1,235 @@
+"""The training command: ``gspo fit|validate|test --config cfg.yaml [--model.key=value ...]``
+(``gspo_lightning/cli.py`` dispatches here; ``gspo serve`` goes to ``rollout/server/command.py``).
+
+Every constructor argument of ``GSPOModule``, ``PromptDataModule`` and ``Trainer`` is a
+config key; an unknown key is an error naming it; ``--print_config`` shows the result.
+Expected errors (a bad config value, a missing file, a failing reward function) print one
+short message with its fix and exit with status 2; ``--debug`` or ``GSPO_DEBUG=1`` shows
+the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+from gspo_lightning.run.cpu_env import configure_cpu_env
+
+configure_cpu_env()  # before lightning imports torch (a no-op after gspo_lightning/cli.py did it)
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+TRAINER_DEFAULTS = {
+    "max_steps": 100,
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 0,
+    # the prompt stream shards itself over ranks and is resumable
+    "use_distributed_sampler": False,
+}
+
+# files a run writes before it does anything: a run that failed with only these wrote nothing
+START_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.")
+
+
+class GSPOCLI(LightningCLI):
+    """LightningCLI over GSPOModule and PromptDataModule, with CSV + TensorBoard logging and
+    a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 rollout steps by default,
+    and at the end of fit: see ``preemption.py``)."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # no `predict`: a GSPO module has no forward to predict with
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    def add_arguments_to_parser(self, parser) -> None:
+        from jsonargparse import Namespace
+
+        # a plain class group (not add_lightning_class_args): instantiate_trainer adds the callback
+        # itself, and only when checkpointing is on
+        parser.add_class_arguments(ModelCheckpoint, "checkpoint", fail_untyped=False, sub_configs=True)
+        parser.set_defaults({
+            "checkpoint.save_last": True,
+            "checkpoint.every_n_train_steps": 50,
+            "checkpoint.save_top_k": 0,
+            # a resumed run overwrites the last.ckpt it resumed from, not last-v1.ckpt beside it
+            "checkpoint.enable_version_counter": False,
+            "trainer.logger": [
+                # separate names: two loggers under one name pick different version folders
+                # save_dir left out: the run folder, trainer.default_root_dir (run_folder_loggers)
+                Namespace(class_path="gspo_lightning.run.loggers.CSVLogger", init_args=Namespace(name="csv")),
+                Namespace(class_path="gspo_lightning.run.loggers.TensorBoardLogger", init_args=Namespace(name="tensorboard")),
+            ],
+        })
+        # one value, stated once: the data module tokenizes with the model's tokenizer, and
+        # the module checks its batch sizes against the data module's
+        parser.link_arguments(("model.model_name_or_path", "model.gguf_file"), "data.tokenizer", compute_fn=tokenizer_source)
+        parser.link_arguments("data.prompt_length", "model.prompt_length")
+        parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
+
+    def before_instantiate_classes(self) -> None:
+        trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+        run_folder_loggers(trainer.logger, trainer.default_root_dir)
+        if self.subcommand == "fit" and self.config.fit.get("ckpt_path"):
+            continue_log_versions(self.config.fit.trainer.logger, self.config.fit.ckpt_path)
+
+    def instantiate_trainer(self, **kwargs):
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        trainer = {**config.get("trainer", {}), **kwargs}
+        # --trainer.enable_checkpointing=false means no checkpoints, not a clash with ours
+        if trainer.get("enable_checkpointing") is not False:
+            callbacks = trainer.get("callbacks") or []
+            kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), config.get("checkpoint")]
+        return super().instantiate_trainer(**kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        existing = {Path(d) for d in self._log_dirs()}
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            self._remove_empty_log_dirs(existing)
+            raise
+
+    def _log_dirs(self) -> list[str]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return []
+        dirs = []
+        for logger in trainer.loggers:
+            try:
+                folder = logger.log_dir
+            except Exception:  # noqa: BLE001 - a logger without a local folder
+                continue
+            if folder and Path(folder).is_dir():
+                dirs.append(folder)
+        return dirs
+
+    def _remove_empty_log_dirs(self, existing: set[Path]) -> None:
+        """A run that failed before its first step leaves no version_N folder behind."""
+        if self.trainer.global_step > 0:
+            return
+        for folder in map(Path, self._log_dirs()):
+            if folder in existing:
+                continue
+            files = [p for p in folder.rglob("*") if p.is_file()]
+            if all(p.name.startswith(START_FILES) for p in files):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_folder_loggers(loggers, default_root_dir: Optional[str]) -> None:
+    """Loggers with no ``save_dir`` write under the run folder, ``trainer.default_root_dir``
+    (``runs`` when unset), so ``--trainer.default_root_dir=DIR`` moves the logs and, with
+    them, the checkpoints (Lightning puts them in the first logger's version folder)."""
+    from jsonargparse import Namespace
+
+    from gspo_lightning.run.loggers import DEFAULT_SAVE_DIR
+
+    for entry in loggers if isinstance(loggers, list) else [loggers]:
+        args = getattr(entry, "init_args", None)
+        if isinstance(entry, Namespace) and args is not None and "save_dir" in args and args.get("save_dir") is None:
+            args["save_dir"] = str(default_root_dir or DEFAULT_SAVE_DIR)
+
+
+def tokenizer_source(model_name_or_path: str, gguf_file: Optional[str] = None) -> str:
+    """The data module's tokenizer: the model's, a GGUF file named as one path."""
+    return model_name_or_path if gguf_file is None else str(Path(model_name_or_path) / gguf_file)
+
+
+def continue_log_versions(loggers, ckpt_path: str) -> None:
+    """Point the configured loggers at the version folders the checkpoint's run wrote to, so a
+    resumed run continues its metrics.csv, TensorBoard events and curves (unless a version is set)."""
+    import torch
+
+    if not loggers or not Path(ckpt_path).is_file():
+        return  # Lightning reports a missing checkpoint itself
+    # mmap: reads only the small "gspo" entry of what may be a large file
+    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("gspo", {}).get("loggers", [])
+    import importlib
+
+    from jsonargparse import Namespace
+    from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+
+    from gspo_lightning.run.loggers import CSVLogger as ContinuingCSVLogger
+
+    for entry in loggers if isinstance(loggers, list) else [loggers]:
+        args = getattr(entry, "init_args", None)
+        if not isinstance(entry, Namespace) or args is None or args.get("version") is not None:
+            continue
+        module, _, name = entry.class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)  # a re-exported class has another path
+        if issubclass(cls, LightningCSVLogger) and not issubclass(cls, ContinuingCSVLogger):
+            continue  # Lightning's own CSVLogger deletes the metrics.csv of an existing version
+        class_name = f"{cls.__module__}.{cls.__qualname__}"
+        for identity in saved:
+            same_place = Path(str(args.get("save_dir", ""))).resolve() == Path(identity["save_dir"]).resolve()
+            if identity["class"] == class_name and same_place and args.get("name") == identity["name"]:
+                args["version"] = identity["version"]
+
+
+# Warnings that say nothing actionable for a GSPO run.
+QUIET = [
+    ".*Using ModelCheckpoint with manual optimization.*",  # GSPO steps the optimizer itself, by design
+    ".*does not have many workers.*",  # prompts are in memory; rollouts dominate a step
+    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
+]
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix (config values, files, reward functions, a learning
+    rate that blows up): they print as one message. Anything else keeps its traceback."""
+    from gspo_lightning.data.datamodule import DataError
+    from gspo_lightning.errors import NonFiniteError, RolloutServerError
+    from gspo_lightning.rewards.base import RewardError
+
+    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError)
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    import warnings
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from gspo_lightning.data.datamodule import PromptDataModule
+    from gspo_lightning.training.module import GSPOModule
+    from gspo_lightning.run.preemption import Preempted
+
+    argv = sys.argv[1:] if args is None else list(args)
+    debug = "--debug" in argv or os.environ.get("GSPO_DEBUG", "") not in ("", "0")
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        if args is None:
+            sys.argv[1:] = argv  # LightningCLI reads sys.argv itself
+    # modules in the working directory import as they do for `python script.py` users
+    # (rewards: myrewards.score); appended, so they never shadow installed packages
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+    for pattern in QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    try:
+        GSPOCLI(
+            GSPOModule,
+            PromptDataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            args=None if args is None else argv,
+            auto_configure_optimizers=False,
+        )
+    except Preempted as stop:
+        print(f"gspo: {stop}", file=sys.stderr)
+    except SIGTERMException:
+        # PreemptionCheckpoint wrote last.ckpt at the step boundary before Lightning raised this
+        print("gspo: stopped by SIGTERM after writing last.ckpt; resume with --ckpt_path <checkpoint dir>/last.ckpt", file=sys.stderr)
+    except expected_errors() as err:
+        if debug:
+            raise
+        print(f"gspo: error: {err}\n(for the traceback: rerun with --debug or GSPO_DEBUG=1)", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
