@@ -4,7 +4,8 @@ different widths merge, and the extra prompt stream's resume. Expected values by
 import torch
 
 from gspo_lightning.data.datamodule import PromptDataModule
-from gspo_lightning.rollout.dynamic_sampling import DynamicSampler, groups_with_variance, round_seed, select_groups
+from gspo_lightning.rollout.dynamic_sampling import DynamicSampler, groups_with_variance, select_groups
+from gspo_lightning.rollout.sampling import round_seed
 from gspo_lightning.rollout.worker import Rollout
 
 PAD = 0

@@ -774,3 +774,14 @@ def test_shape_mismatch_of_ref_logprobs_raises():
     lp, old, ref, adv, mask = _ok_inputs()
     with pytest.raises(ValueError):
         policy_loss(lp, old, adv, mask, ref_logprobs=ref[:, :2], kl_coef=0.1)
+
+
+def test_masked_sequence_mean_by_hand():
+    """GSPO's length normalization, written once: NaN in masked places ignored, empty rows 0."""
+    from gspo_lightning.objective.loss import masked_sequence_mean
+
+    values = torch.tensor([[0.3, -0.1, float("nan")], [2.0, float("nan"), float("inf")], [float("nan")] * 3])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    # (0.3 - 0.1) / 2 = 0.1; 2.0 / 1; no valid token -> 0
+    assert torch.allclose(masked_sequence_mean(values, mask), torch.tensor([0.1, 2.0, 0.0]), atol=1e-7)
+    assert masked_sequence_mean(torch.ones(2, 4, dtype=torch.bool), torch.ones(2, 4)).tolist() == [1.0, 1.0]

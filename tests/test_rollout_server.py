@@ -20,7 +20,8 @@ import torch
 
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout import EngineSpec, HFEngine, RemoteEngine, SamplingParams
-from gspo_lightning.rollout.remote import chunk_seed, request_json, split_evenly
+from gspo_lightning.rollout.remote import request_json, split_evenly
+from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.transport import FolderTransport, WeightsChecksum
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.data.tasks import build_tiny
@@ -149,7 +150,7 @@ def test_the_nccl_transport_says_what_it_needs_without_cuda(server):
 
 def test_prompts_are_split_in_whole_prompts_and_the_first_share_keeps_the_seed():
     assert split_evenly(5, 2) == [(0, 3), (3, 5)] and split_evenly(1, 3) == [(0, 1), (1, 1), (1, 1)]
-    assert chunk_seed(42, 0) == 42 and len({chunk_seed(42, k) for k in range(4)}) == 4
+    assert server_share_seed(42, 0) == 42 and len({server_share_seed(42, k) for k in range(4)}) == 4
 
 
 # -- generation through the server ---------------------------------------------------------------------

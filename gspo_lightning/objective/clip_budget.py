@@ -40,6 +40,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from gspo_lightning.objective.loss import masked_sequence_mean
+
 PARTS = ("numerics", "staleness", "update")
 
 
@@ -77,10 +79,9 @@ def attribute_clips(
         values = tokens
         unit_adv = adv
     else:  # a response's part is the mean of its token parts, as the sequence log-ratio is
-        lengths = valid.sum(-1).clamp(min=1)
         units = valid.any(-1)
-        values = {name: value.sum(-1) / lengths for name, value in tokens.items()}
-        unit_adv = adv.sum(-1) / lengths
+        values = {name: masked_sequence_mean(value, valid) for name, value in tokens.items()}
+        unit_adv = masked_sequence_mean(adv, valid)
     stacked = torch.stack([values[name] for name in in_clip])  # (parts, units...)
     total = stacked.sum(0)
     upper, lower = math.log1p(clip_high), math.log1p(-clip_low)

@@ -93,6 +93,16 @@ def aggregate_loss(
     raise AssertionError("unreachable")
 
 
+def masked_sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """``(B,)``: each row's mean of ``values`` over its valid positions (0 for a row with none).
+
+    GSPO's length normalization: the sequence log-ratio ``s_i = (1/|y_i|) sum_t log r_{i,t}``
+    is this mean of the token log-ratios. Masked positions may hold anything, NaN included.
+    """
+    valid = mask.bool()
+    return torch.where(valid, values, torch.zeros_like(values)).sum(-1) / valid.sum(-1).clamp(min=1)
+
+
 def log_importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, importance_sampling: str) -> Tensor:
     """``(B, T)`` log importance weights at the requested level (zero at masked positions).
 
@@ -106,8 +116,7 @@ def log_importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, i
     delta = torch.where(valid, logprobs - torch.where(valid, old_logprobs, zeros), zeros)
     if importance_sampling == "token":
         return delta
-    lengths = valid.sum(-1, keepdim=True).clamp(min=1).to(logprobs.dtype)
-    seq_log_ratio = delta.sum(-1, keepdim=True) / lengths
+    seq_log_ratio = masked_sequence_mean(delta, valid)[:, None]
     if importance_sampling == "seq":
         return torch.where(valid, seq_log_ratio.expand_as(delta), zeros)
     if importance_sampling == "seq-token":
@@ -244,7 +253,7 @@ def _clip_metrics(
 
         def frac(flags: Tensor) -> Tensor:
             # share of each sequence's tokens that clip (0 or 1 with one advantage per response)
-            return (flags.sum(-1) / lengths.clamp(min=1)).sum() / units
+            return masked_sequence_mean(flags, valid).sum() / units
 
         first = valid.float().argmax(-1)
         ratios = ratio.gather(-1, first[:, None]).squeeze(-1)[seq_valid]

@@ -34,6 +34,8 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
+from gspo_lightning.objective.loss import masked_sequence_mean
+
 CorrectionMode = Literal["decoupled", "bypass"]
 WeightLevel = Literal["token", "seq", "seq-product"]
 BoundMethod = Literal["truncate", "mask"]
@@ -120,7 +122,7 @@ def log_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, 
     if level == "seq-product":
         return total
     if level == "seq":
-        return total / valid.sum(-1).clamp(min=1)
+        return masked_sequence_mean(diff, valid)
     raise ValueError(f"off_policy.level must be token, seq or seq-product; got {level!r}")
 
 

@@ -10,7 +10,7 @@ train as zero-advantage rows (``skip_zero_advantage`` skips their backward).
 
 Round 0 is the ordinary rollout with the step's seed; round ``k`` draws its prompts from
 the data module's extra prompt stream (``PromptDataModule.extra_batch``, resumable) and
-samples with :func:`round_seed` ``(seed, k)``, so a run and its resume sample alike.
+samples with :func:`~gspo_lightning.rollout.sampling.round_seed` ``(seed, k)``, so a run and its resume sample alike.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from gspo_lightning.rollout.sampling import round_seed
 from gspo_lightning.rollout.worker import Rollout
 
 
@@ -28,12 +29,6 @@ def groups_with_variance(rewards: Tensor, group_size: int) -> Tensor:
     """``(num_groups,)`` True where a group's rewards are not all equal."""
     grouped = rewards.view(-1, group_size)
     return grouped.max(-1).values != grouped.min(-1).values
-
-
-def round_seed(seed: int, round_index: int) -> int:
-    """The sampling seed of extra round ``round_index`` (>= 1) of a step whose seed is ``seed``.
-    A hash rather than ``seed + k``: step seeds are spaced evenly, a sum would reuse another step's."""
-    return (seed * 1_000_033 + 7919 * round_index) % (2**63 - 1)
 
 
 def _pad_to(tensor: Tensor, width: int, value, left: bool) -> Tensor:
@@ -161,4 +156,4 @@ class DynamicSampler:
         return select_groups(rollouts, picks, pad_token_id), metrics
 
 
-__all__ = ["DynamicSampler", "groups_with_variance", "round_seed", "select_groups"]
+__all__ = ["DynamicSampler", "groups_with_variance", "select_groups"]

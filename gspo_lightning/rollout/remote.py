@@ -46,6 +46,7 @@ import torch
 
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, model_fingerprint
 from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
 from gspo_lightning.rollout.weight_sync import engine_name
@@ -279,7 +280,7 @@ class RemoteEngine(RolloutEngine):
             raise ValueError("every prompt needs at least one token")
         version = self.weights_version
         chunks = split_evenly(len(prompt_ids), len(self.urls))
-        jobs = [(url, prompt_ids[a:b], chunk_seed(seed, k)) for k, (url, (a, b)) in enumerate(zip(self.urls, chunks)) if b > a]
+        jobs = [(url, prompt_ids[a:b], server_share_seed(seed, k)) for k, (url, (a, b)) in enumerate(zip(self.urls, chunks)) if b > a]
         if len(jobs) == 1:
             replies = [self._generate_on(*jobs[0], n, params, version)]
         else:
@@ -369,12 +370,6 @@ def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def chunk_seed(seed: int, k: int) -> int:
-    """The seed of the ``k``-th server's share: the step's own for the first (one server
-    samples as a colocated engine would), distinct ones for the others."""
-    return seed if k == 0 else (seed * 1_000_003 + k) % (2**63 - 1)
-
-
 def replies_to_generation(replies: list[dict], pad_token_id: int) -> Generation:
     ids = [row for reply in replies for row in reply["completion_ids"]]
     logprobs = [row for reply in replies for row in reply["logprobs"]]
@@ -449,4 +444,4 @@ class ChildServer:
             self.folder = None
 
 
-__all__ = ["ChildServer", "RemoteEngine", "chunk_seed", "replies_to_generation", "request_json", "split_evenly"]
+__all__ = ["ChildServer", "RemoteEngine", "replies_to_generation", "request_json", "split_evenly"]

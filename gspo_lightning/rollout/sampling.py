@@ -1,4 +1,5 @@
-"""The sampling distribution that engines draw from and the trainer scores under.
+"""How rollouts are sampled: the distribution engines draw from (and the trainer scores
+under), and the seeds every sample is drawn with.
 
 With top-k / top-p on, a token is drawn from the temperature-scaled logits restricted to
 the kept set and renormalized (vLLM's ``processed_logprobs``). The engine reports the
@@ -47,4 +48,34 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
 
 
-__all__ = ["filter_logits", "filters_active", "keep_mask"]
+# -- seeds ------------------------------------------------------------------------------------
+# Every sample's seed derives from the run's base seed by one formula, so a run and its resume
+# (and a colocated engine and a server) sample alike. Seeds stay below 2**63 - 1: torch's
+# generators and vLLM take them whole.
+SEED_MODULUS = 2**63 - 1
+
+
+def mix_seed(seed: int, value: int, multiplier: int) -> int:
+    """``(seed * multiplier + value) mod (2**63 - 1)``: a new seed for ``value`` within ``seed``'s stream."""
+    return (seed * multiplier + value) % SEED_MODULUS
+
+
+def step_seed(base: int, step: int, rank: int) -> int:
+    """The sampling seed of rollout step ``step`` on rank ``rank`` of a run whose seed is ``base``."""
+    return mix_seed(mix_seed(base, step, 1_000_003), rank, 1031)
+
+
+def server_share_seed(seed: int, k: int) -> int:
+    """The seed of the ``k``-th server's share of a step: the step's own for the first (one server
+    samples as a colocated engine would), distinct ones for the others."""
+    return seed if k == 0 else mix_seed(seed, k, 1_000_003)
+
+
+def round_seed(seed: int, round_index: int) -> int:
+    """The seed of dynamic sampling's extra round ``round_index`` (>= 1) of a step whose seed is
+    ``seed``. A hash rather than ``seed + k``: step seeds are spaced evenly, a sum would reuse another step's."""
+    return mix_seed(seed, 7919 * round_index, 1_000_033)
+
+
+__all__ = ["SEED_MODULUS", "filter_logits", "filters_active", "keep_mask", "mix_seed", "round_seed", "server_share_seed",
+           "step_seed"]

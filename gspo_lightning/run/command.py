@@ -193,8 +193,8 @@ def main(args: Optional[list[str]] = None) -> None:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from gspo_lightning.data.datamodule import PromptDataModule
-    from gspo_lightning.training.module import GSPOModule
     from gspo_lightning.run.preemption import Preempted
+    from gspo_lightning.training.module import GSPOModule
 
     argv = sys.argv[1:] if args is None else list(args)
     debug = "--debug" in argv or os.environ.get("GSPO_DEBUG", "") not in ("", "0")

@@ -42,27 +42,28 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
-from gspo_lightning.objective.clip_budget import ClipBudget
-from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.errors import NonFiniteError
-from gspo_lightning.objective.passk import record_eval_rollout
-from gspo_lightning.run.loggers import logger_identity
-from gspo_lightning.training.logprobs import response_logprobs
-from gspo_lightning.training.loss_scaling import LossScaling
-from gspo_lightning.training.metrics import StepMetrics, step_values
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
+from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
+from gspo_lightning.objective.clip_budget import ClipBudget
 from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
 from gspo_lightning.objective.options import (
     AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, RewardNorm,
     clip_range, validate_gspo_settings,
 )
+from gspo_lightning.objective.passk import record_eval_rollout
 from gspo_lightning.rewards.base import RewardComposer, RewardSpec
 from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine, RolloutWorker, SamplingParams
 from gspo_lightning.rollout.pipeline import StaleRollouts
+from gspo_lightning.rollout.sampling import step_seed
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
+from gspo_lightning.run.loggers import logger_identity
+from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
+from gspo_lightning.training.logprobs import response_logprobs
+from gspo_lightning.training.loss_scaling import LossScaling
+from gspo_lightning.training.metrics import StepMetrics, step_values
 from gspo_lightning.training.strategy_ops import StrategyOps
 from gspo_lightning.training.update import MetricHook, PolicyUpdater, update_settings
 
@@ -407,8 +408,7 @@ class GSPOModule(L.LightningModule):
     # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
         base = self.hparams.rollout_seed if self.hparams.rollout_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-        rank = self.global_rank  # 0 without a trainer
-        return ((base * 1_000_003 + step) * 1031 + rank) % (2**63 - 1)
+        return step_seed(base, step, rank=self.global_rank)  # rank 0 without a trainer
 
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
         hp = self.hparams

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
-from gspo_lightning.objective.loss import policy_loss
+from gspo_lightning.objective.loss import masked_sequence_mean, policy_loss
+from gspo_lightning.rollout.worker import Rollout
 from gspo_lightning.training.metrics import StepMetrics
 from gspo_lightning.training.row_filters import loss_mask, micro_batches, rows_with_advantage
-from gspo_lightning.rollout.worker import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -357,8 +357,7 @@ class PolicyUpdater:
         self._warned_first_clip = True
         valid = micro.mask.bool()
         diff = torch.where(valid, micro.logprobs - micro.old_logprobs, torch.zeros_like(micro.logprobs))
-        lengths = valid.sum(-1).clamp(min=1)
-        seq = (diff.sum(-1) / lengths).abs()
+        seq = masked_sequence_mean(diff, valid).abs()
         warnings.warn(
             f"{clip_frac:.1%} of the first mini-batch was clipped before any update: the old log-probs differ from "
             f"the trainer's (mean |token diff| {diff.abs().sum().item() / max(1, int(valid.sum())):.2e}, max |sequence "
@@ -374,7 +373,7 @@ class PolicyUpdater:
         diff = torch.where(mask, trainer_logprobs - rollout.engine_logprobs[rows], torch.zeros_like(trainer_logprobs))
         lengths = mask.sum(-1)
         self.metrics.update("engine/logprob_abs_diff", diff.abs().sum() / mask.sum().clamp(min=1), mask.sum())
-        seq_log_ratio = diff.sum(-1)[lengths > 0] / lengths[lengths > 0]
+        seq_log_ratio = masked_sequence_mean(diff, mask)[lengths > 0]
         if seq_log_ratio.numel():
             self.metrics.update("engine/seq_log_ratio_abs_max", seq_log_ratio.abs().max(), kind="max")
 
