@@ -28,9 +28,9 @@ class CountingTransport(InProcessTransport):
     def __init__(self):
         self.sends = 0
 
-    def send(self, engine, weights, version):
+    def send(self, weights, version):
         self.sends += 1
-        return super().send(engine, weights, version)
+        return super().send(weights, version)
 
 
 def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, response_length: int = 10, seed: int = 0,

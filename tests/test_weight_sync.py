@@ -298,3 +298,17 @@ def test_outputs_to_generation_rejects_aborts_missing_logprobs_and_wrong_n():
         outputs_to_generation([request(0, [no_lps])], 1, PAD)
     with pytest.raises(ValueError, match="expected 2"):
         outputs_to_generation([request(0, [completion(0, [3], [-1.0], "stop")])], 2, PAD)
+
+
+def test_in_process_transport_is_a_weight_transport_that_copies_nothing():
+    """One idea for every hop: the in-process transport's manifest carries the iterator itself, and
+    the receiving side walks the very tensors the trainer sent (no copy, same order)."""
+    from gspo_lightning.rollout.transport import RECEIVERS, InProcessTransport, WeightTransport
+
+    transport = InProcessTransport()
+    weights = [("a", torch.arange(3.0)), ("b", torch.ones(2, 2))]
+    received = []
+    manifest, reply = transport.push(iter(weights), 4, lambda m: received.extend(transport.receive(m)) or {"bytes": 28})
+    assert isinstance(transport, WeightTransport) and manifest["kind"] == "in-process" and manifest["version"] == 4
+    assert [n for n, _ in received] == ["a", "b"] and all(r is w for (_, r), (_, w) in zip(received, weights))
+    assert reply == {"bytes": 28} and "in-process" not in RECEIVERS  # a server never takes live tensors off the wire

@@ -26,7 +26,10 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-WeightsIterator = Iterable[tuple[str, Tensor]]
+WeightsIterator = Iterable[tuple[str, Tensor]]  # weights in flight: (name, tensor) pairs, walked once
+# the policy's weights, gathered when called: only when a push is due (gathering sharded weights
+# is a collective, so every rank calls it or none does)
+WeightsSource = Callable[[], WeightsIterator]
 
 
 @dataclass(frozen=True)
@@ -159,4 +162,4 @@ class RolloutEngine(ABC):
         """Release the engine's resources (end of the run)."""
 
 
-__all__ = ["EngineSpec", "Generation", "RolloutEngine", "SamplingParams", "WeightsIterator"]
+__all__ = ["EngineSpec", "Generation", "RolloutEngine", "SamplingParams", "WeightsIterator", "WeightsSource"]

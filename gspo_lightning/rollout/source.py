@@ -26,11 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from gspo_lightning.rollout.dynamic_sampling import DynamicSampler
-from gspo_lightning.rollout.engine import RolloutEngine, WeightsIterator
+from gspo_lightning.rollout.engine import RolloutEngine, WeightsSource
 from gspo_lightning.rollout.pipeline import RolloutPipeline, StaleRollouts
 from gspo_lightning.rollout.worker import Rollout, RolloutWorker
 
-Weights = Callable[[], WeightsIterator]  # the policy's current weights as (name, tensor) pairs, built on demand
 Stats = dict[str, float]
 
 
@@ -39,18 +38,18 @@ class RolloutSource:
 
     Args:
         worker: the engine, the reward functions and the sampling settings.
-        weights: ``weights()`` iterates the policy's current ``(name, tensor)`` pairs
+        policy_weights: ``policy_weights()`` iterates the policy's current ``(name, tensor)`` pairs
             (``weight_sync.iter_policy_weights``); called only when the engine needs them.
         device: where the rollout's tensors go.
         seed: ``seed(step)``, the sampling seed of rollout step ``step`` on this rank.
     """
 
-    def __init__(self, worker: RolloutWorker, weights: Weights, device: torch.device, seed: Callable[[int], int]):
-        self.worker, self.weights, self.device, self.seed = worker, weights, device, seed
+    def __init__(self, worker: RolloutWorker, policy_weights: WeightsSource, device: torch.device, seed: Callable[[int], int]):
+        self.worker, self.policy_weights, self.device, self.seed = worker, policy_weights, device, seed
 
     def rollout(self, batch: dict, seed: int, policy_version: int, evaluation: bool = False) -> Rollout:
         """Push the weights of ``policy_version`` (unless the engine holds them), then sample and score ``batch``."""
-        timings = self.worker.sync_weights(policy_version, self.weights)
+        timings = self.worker.sync_weights(policy_version, self.policy_weights)
         rollout = self.worker.rollout(batch, seed=seed, device=self.device, evaluation=evaluation)
         rollout.timings.update(timings)
         return rollout
@@ -81,10 +80,10 @@ class SynchronousRollouts(RolloutSource):
             module's extra prompt stream and ``pad_token_id`` to re-pad the groups it keeps.
     """
 
-    def __init__(self, worker: RolloutWorker, weights: Weights, device: torch.device, seed: Callable[[int], int], *,
+    def __init__(self, worker: RolloutWorker, policy_weights: WeightsSource, device: torch.device, seed: Callable[[int], int], *,
                  sampler: Optional[DynamicSampler] = None, more_prompts: Optional[Callable[[], dict]] = None,
                  pad_token_id: int = 0):
-        super().__init__(worker, weights, device, seed)
+        super().__init__(worker, policy_weights, device, seed)
         self.sampler, self.more_prompts, self.pad_token_id = sampler, more_prompts, pad_token_id
 
     def next(self, step: int, batch: dict, policy_version: int) -> tuple[Rollout, Stats]:
@@ -121,10 +120,10 @@ class PipelinedRollouts(RolloutSource):
             policy, the producer also takes them at the sampling weights (the clip budget's ``o_b``).
     """
 
-    def __init__(self, worker: RolloutWorker, weights: Weights, device: torch.device, seed: Callable[[int], int], *,
+    def __init__(self, worker: RolloutWorker, policy_weights: WeightsSource, device: torch.device, seed: Callable[[int], int], *,
                  batch_at: Callable[[int], dict], max_staleness: int, stale_rollouts: StaleRollouts = "regenerate",
                  behaviour_logprobs: Optional[Callable[[nn.Module, Rollout], Tensor]] = None):
-        super().__init__(worker, weights, device, seed)
+        super().__init__(worker, policy_weights, device, seed)
         exact = is_exact_float32_copy(worker.engine)
         self.behaviour_logprobs = behaviour_logprobs if exact else None
         self.pipeline = RolloutPipeline(self._produce, batch_at, max_staleness, stale_rollouts)
@@ -137,7 +136,7 @@ class PipelinedRollouts(RolloutSource):
         return rollout
 
     def next(self, step: int, batch: dict, policy_version: int) -> tuple[Rollout, Stats]:
-        rollout, stats = self.pipeline.next(step, batch, lambda: self.worker.capture_weights(policy_version, self.weights))
+        rollout, stats = self.pipeline.next(step, batch, lambda: self.worker.capture_weights(policy_version, self.policy_weights))
         stats["async/lag_versions"] = float(policy_version - rollout.policy_version)
         return rollout, stats
 
@@ -159,7 +158,7 @@ def is_exact_float32_copy(engine: RolloutEngine) -> bool:
     return getattr(engine, "dtype", None) == "float32" and getattr(engine, "weight_quantization", 1) is None
 
 
-def rollout_source(worker: RolloutWorker, weights: Weights, device: torch.device, seed: Callable[[int], int], *,
+def rollout_source(worker: RolloutWorker, policy_weights: WeightsSource, device: torch.device, seed: Callable[[int], int], *,
                    max_staleness: int = 0, stale_rollouts: StaleRollouts = "regenerate", datamodule: Any = None,
                    dynamic_sampling_rounds: Optional[int] = None, sharded: bool = False, pad_token_id: int = 0,
                    behaviour_logprobs: Optional[Callable[[nn.Module, Rollout], Tensor]] = None) -> RolloutSource:
@@ -169,13 +168,13 @@ def rollout_source(worker: RolloutWorker, weights: Weights, device: torch.device
     ``extra_batch()`` (dynamic sampling's extra rounds, ``dynamic_sampling_rounds`` set)."""
     if max_staleness == 0:
         if dynamic_sampling_rounds is None:
-            return SynchronousRollouts(worker, weights, device, seed)
+            return SynchronousRollouts(worker, policy_weights, device, seed)
         more_prompts = getattr(datamodule, "extra_batch", None)
         if more_prompts is None or sharded:
             raise ValueError("model.dynamic_sampling needs the PromptDataModule (its extra prompt stream) and an "
                              "unsharded policy (ranks generate different numbers of rounds): turn it off or use data: "
                              "PromptDataModule without FSDP")
-        return SynchronousRollouts(worker, weights, device, seed, sampler=DynamicSampler(dynamic_sampling_rounds),
+        return SynchronousRollouts(worker, policy_weights, device, seed, sampler=DynamicSampler(dynamic_sampling_rounds),
                                    more_prompts=more_prompts, pad_token_id=pad_token_id)
     engine = worker.engine
     if engine.shares_policy_weights:
@@ -186,7 +185,7 @@ def rollout_source(worker: RolloutWorker, weights: Weights, device: torch.device
     if batch_at is None:
         raise ValueError("max_staleness > 0 reads the prompt batches of future steps with the data module's "
                          "train_batch(index): use gspo_lightning.data.PromptDataModule (or give yours that method)")
-    return PipelinedRollouts(worker, weights, device, seed, batch_at=batch_at, max_staleness=max_staleness,
+    return PipelinedRollouts(worker, policy_weights, device, seed, batch_at=batch_at, max_staleness=max_staleness,
                              stale_rollouts=stale_rollouts, behaviour_logprobs=behaviour_logprobs)
 
 

@@ -1,13 +1,19 @@
-"""How new weights travel from the trainer to an engine.
+"""How new weights travel from the trainer to where an engine loads them: one idea,
+:class:`WeightTransport`, for every hop.
 
-Colocated engines (the Hugging Face engine, an in-process vLLM) take the ``(name,
-tensor)`` iterator in this process (:class:`InProcessTransport`). A rollout server in
-another process or on other machines gets them over a :class:`WeightTransport`: the
-trainer side writes the policy's weights bucket by bucket as they stream out of
-``iter_policy_weights`` and returns a small JSON *manifest*; the server side turns the
-manifest back into the same ``(name, tensor)`` iterator for
-:meth:`RolloutEngine.update_weights`. Transports are chosen in the client engine's
-config (``model.engine.init_args.transport``):
+The trainer side :meth:`~WeightTransport.send` s the policy's ``(name, tensor)`` pairs as they
+stream out of ``iter_policy_weights`` and returns a *manifest* that says where they are; the
+receiving side turns the manifest back into the same ``(name, tensor)`` iterator
+(:meth:`~WeightTransport.receive`) for :meth:`RolloutEngine.update_weights`;
+:meth:`~WeightTransport.push` does both, with a ``deliver(manifest)`` that has the receiver load.
+
+* :class:`InProcessTransport`: the engine lives in the training process (the Hugging Face
+  engines, an in-process vLLM, the client engine of rollout servers): the manifest carries the
+  iterator itself, nothing is copied. The rollout worker's default.
+
+A rollout server in another process or on other machines gets them over a transport whose
+manifest is small JSON, chosen in the client engine's config
+(``model.engine.init_args.transport``):
 
 * :class:`FolderTransport`: safetensors buckets in a folder both sides can read
   (``/dev/shm`` on one machine, a shared filesystem across nodes). Tested here.
@@ -25,7 +31,6 @@ import hashlib
 import os
 import shutil
 import tempfile
-import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -33,19 +38,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from gspo_lightning.rollout.engine import RolloutEngine, WeightsIterator
+from gspo_lightning.rollout.engine import WeightsIterator
 
 Manifest = dict[str, Any]
-
-
-class InProcessTransport:
-    """Hands the weights iterator to an engine that lives in the training process."""
-
-    def send(self, engine: RolloutEngine, weights: WeightsIterator, version: int) -> dict[str, float]:
-        start = time.perf_counter()
-        stats = dict(engine.update_weights(weights, version) or {})
-        stats["seconds"] = time.perf_counter() - start
-        return stats
 
 
 class WeightsChecksum:
@@ -80,7 +75,8 @@ def checksum_of(named: WeightsIterator) -> str:
 
 
 class WeightTransport(ABC):
-    """Moves weights to a rollout server: :meth:`send` on the trainer, :meth:`receive` on the server."""
+    """Moves weights to where an engine loads them: :meth:`send` on the trainer, :meth:`receive`
+    where the engine is (this process, or a rollout server)."""
 
     kind: str = ""
 
@@ -89,10 +85,11 @@ class WeightTransport(ABC):
         """Write ``weights``; the manifest says where the server reads them, with ``names``
         (in order), ``checksum``, ``tensors`` and ``bytes``."""
 
-    def push(self, weights: WeightsIterator, version: int, post: Callable[[Manifest], Any]) -> tuple[Manifest, Any]:
-        """Send ``weights`` and have ``post(manifest)`` tell the servers to load them."""
+    def push(self, weights: WeightsIterator, version: int, deliver: Callable[[Manifest], Any]) -> tuple[Manifest, Any]:
+        """Send ``weights`` and have ``deliver(manifest)`` make the receiving side load them (an
+        engine's ``update_weights`` over :meth:`receive`, or a request to the servers)."""
         manifest = self.send(weights, version)
-        return manifest, post(manifest)
+        return manifest, deliver(manifest)
 
     def sent(self, manifest: Manifest) -> None:
         """Every server loaded ``manifest``: what older pushes left behind can go."""
@@ -100,10 +97,24 @@ class WeightTransport(ABC):
     @staticmethod
     @abstractmethod
     def receive(manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
-        """The server side: the pushed ``(name, tensor)`` pairs, in order."""
+        """The receiving side: the pushed ``(name, tensor)`` pairs, in order."""
 
     def close(self) -> None:
         """End of the run: remove what the transport wrote."""
+
+
+class InProcessTransport(WeightTransport):
+    """The engine lives in this process: the manifest carries the ``(name, tensor)`` iterator
+    itself, so the engine reads the policy's weights as they are gathered, with no copy."""
+
+    kind = "in-process"
+
+    def send(self, weights: WeightsIterator, version: int) -> Manifest:
+        return {"kind": self.kind, "version": version, "weights": weights}
+
+    @staticmethod
+    def receive(manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
+        return iter(manifest["weights"])
 
 
 class FolderTransport(WeightTransport):
@@ -271,7 +282,8 @@ class NCCLTransport(WeightTransport):
             yield name, tensor
 
 
-# the transports a server accepts, by manifest ``kind`` (never a class path from the network)
+# the transports a server accepts, by manifest ``kind`` (never a class path from the network;
+# never in-process: its manifest holds live tensors, not something sent over a wire)
 RECEIVERS = {FolderTransport.kind: FolderTransport.receive, NCCLTransport.kind: NCCLTransport.receive}
 
 

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.rewards.base import RewardComposer
-from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, WeightsSource
 from gspo_lightning.rollout.hf import left_pad
-from gspo_lightning.rollout.transport import InProcessTransport
+from gspo_lightning.rollout.transport import InProcessTransport, WeightTransport
 
 
 @dataclass
@@ -88,7 +88,8 @@ class RolloutWorker:
         tokenizer: decodes completions for the reward functions.
         train_params / group_size: sampling of training rollouts, ``G`` responses per prompt.
         eval_params / eval_group_size: sampling of validation and test rollouts.
-        transport: how weights reach the engine (in-process for colocated engines).
+        transport: how weights reach the engine (in this process by default: every engine the
+            worker drives lives here; a rollout server's client engine has its own transport).
     """
 
     def __init__(
@@ -101,7 +102,7 @@ class RolloutWorker:
         group_size: int,
         eval_params: SamplingParams,
         eval_group_size: int,
-        transport: Optional[InProcessTransport] = None,
+        transport: Optional[WeightTransport] = None,
     ):
         self.engine = engine
         self.rewards = rewards
@@ -118,20 +119,24 @@ class RolloutWorker:
             self.engine.start(spec)
             self.started = True
 
-    def sync_weights(self, version: int, weights: Callable[[], WeightsIterator]) -> dict[str, float]:
-        """Push the policy's weights of ``version`` unless the engine holds them already.
-
-        ``weights`` builds the iterator only when a push is needed (gathering sharded
-        weights is a collective, so every rank makes the same decision)."""
+    def sync_weights(self, version: int, policy_weights: WeightsSource) -> dict[str, float]:
+        """Push the policy's weights of ``version`` unless the engine holds them already
+        (``policy_weights()`` is called only then)."""
         if self.engine.shares_policy_weights:
             self.engine.weights_version = version
             return {}
         if not self.engine.needs_weights(version):
             return {}
-        stats = self.transport.send(self.engine, weights(), version)
-        return {"time/weight_sync": stats["seconds"], "weight_sync/bytes": float(stats.get("bytes", 0.0))}
+        return self._push(policy_weights(), version)
 
-    def capture_weights(self, version: int, weights: Callable[[], WeightsIterator]
+    def _push(self, weights: WeightsIterator, version: int) -> dict[str, float]:
+        """Send ``weights`` over the transport and have the engine load them; timed."""
+        start = time.perf_counter()
+        _, stats = self.transport.push(
+            weights, version, lambda manifest: self.engine.update_weights(self.transport.receive(manifest), version))
+        return {"time/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float((stats or {}).get("bytes", 0.0))}
+
+    def capture_weights(self, version: int, policy_weights: WeightsSource
                         ) -> tuple[Optional[Callable[[], dict[str, float]]], dict[str, float]]:
         """A CPU copy of the weights of ``version`` taken now, and the push that sends it later.
 
@@ -146,13 +151,13 @@ class RolloutWorker:
         if not self.engine.needs_weights(version):
             return None, {}
         start = time.perf_counter()
-        copy = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights()]
+        copy = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in policy_weights()]
         captured = time.perf_counter() - start
 
         def push() -> dict[str, float]:
-            stats = self.transport.send(self.engine, iter(copy), version)
+            timings = self._push(iter(copy), version)
             copy.clear()  # sent: the host memory goes back
-            return {"time/weight_sync": stats["seconds"], "weight_sync/bytes": float(stats.get("bytes", 0.0))}
+            return timings
 
         return push, {"time/weight_capture": captured}
 
