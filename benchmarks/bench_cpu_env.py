@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# torch loaded before the CLI: the runtime starts with no wait policy (as before cpu_env.py)
+# torch loaded before the CLI: the runtime starts with no wait policy (as before run/cpu_env.py)
 DEFAULT_LAUNCH = "import sys, torch; from gspo_lightning.cli import main; sys.argv[0] = 'gspo'; main()"
 PASSIVE_LAUNCH = "import sys; from gspo_lightning.cli import main; sys.argv[0] = 'gspo'; main()"
 BUSY = "import torch\ntorch.set_num_threads(1)\na = torch.randn(384, 384)\nwhile True:\n    a @ a"

@@ -23,7 +23,7 @@ allocated, because ``zero_grad(set_to_none=True)`` runs at the start of each min
   tensors autograd saves per decoder layer (counted tensor by tensor for the Qwen3 / Llama
   layer, see :func:`layer_saved_bytes`), or only the layer inputs plus one recomputed layer
   with gradient checkpointing, the head path, the backward working set, FSDP2's gathered
-  units; or, after the last backward, DDP's 64 MiB gradient buckets (``distributed.py``).
+  units; or, after the last backward, DDP's 64 MiB gradient buckets (``training/distributed.py``).
 - ``optimizer step``: the gradients and AdamW's temporary (``foreach``, the GPU default:
   ``sqrt(exp_avg_sq)`` of every parameter at once; per parameter on CPU).
 
@@ -151,7 +151,7 @@ class Run:
     micro_batch_size: Optional[int] = 4  # per rank; None: the whole local mini-batch (today's null)
     generation_batch_size: Optional[int] = 64  # per rank; None: all local rows (today's null)
     logprob_chunk_size: int = 512
-    max_unchunked_bytes: int = MAX_UNCHUNKED_BYTES  # logprobs.py: larger response logits are chunked
+    max_unchunked_bytes: int = MAX_UNCHUNKED_BYTES  # training/logprobs.py: larger response logits are chunked
     reference: bool = True  # a KL term needs the frozen reference
     old_pass: bool = True  # old_logprobs: recompute with more than one update per rollout
     engine: str = "hf"  # hf: generation in the trainer's memory; vllm: not counted here

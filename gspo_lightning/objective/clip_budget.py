@@ -13,7 +13,7 @@ per token, into three parts (``o_b``: the trainer's log-prob at the weights that
 
 Which parts the clip sees depends on what ``old`` is: with ``old = b`` (``old_logprobs:
 engine``, bypass) all three; with ``old = o`` (recompute, decoupled) only the update (the
-other two are then in the off-policy weight, ``offpolicy.py``).
+other two are then in the off-policy weight, ``objective/offpolicy.py``).
 
 Attribution, per unit (a token for ``importance_sampling: token``, a response for the
 sequence levels, whose parts are the length-normalized means of the token parts, as the
@@ -111,7 +111,7 @@ def clip_budget_metrics(counts: dict[str, Tensor], all_parts: tuple[str, ...]) -
 
 
 class ClipBudget:
-    """A metric hook (``update.py``'s ``metric_hooks``) attributing each micro-batch's clips.
+    """A metric hook (``training/update.py``'s ``metric_hooks``) attributing each micro-batch's clips.
 
     Before each rollout's updates, :meth:`begin` receives the rollout's tensors: ``old``
     (the trainer's recomputed log-probs at this update's start, ``o``), ``behaviour`` (the

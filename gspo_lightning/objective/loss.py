@@ -161,7 +161,7 @@ def policy_loss(
         dual_clip: ``c > 1`` bounds the loss of negative-advantage samples by ``c * |A|``.
         ref_logprobs, kl_coef, kl_estimator: the KL-to-reference term, when ``kl_coef > 0``.
         num_seqs, num_tokens, horizon: global denominators, see :func:`aggregate_loss`.
-        is_weights: ``(B,)`` or ``(B, T)`` off-policy importance weights (``offpolicy.py``,
+        is_weights: ``(B,)`` or ``(B, T)`` off-policy importance weights (``objective/offpolicy.py``,
             no gradient) multiplying each token's surrogate (not the KL term); ``None``: 1.
 
     Returns:

@@ -176,7 +176,7 @@ class _CacheDecoder:
 def _sample_step(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """One token per row and its log-prob under the sampling distribution: the
     temperature-scaled logits, top-k / top-p filtered and renormalized (the trainer scores
-    under the same distribution, ``logprobs.py``)."""
+    under the same distribution, ``training/logprobs.py``)."""
     if params.temperature == 0:
         token = logits.argmax(-1)
         return token, F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)

@@ -18,7 +18,7 @@ against the version and checksum the trainer pushed, so a server holding other w
 is refused. A server that goes away is waited for with bounded exponential backoff; one
 that comes back (restarted) gets the current weights again; one that does not within
 ``reconnect_s`` stops the run with :class:`~gspo_lightning.errors.RolloutServerError`,
-which writes a checkpoint (``preemption.py``) to resume from.
+which writes a checkpoint (``run/preemption.py``) to resume from.
 
 ``generate`` only reads state that ``start`` / ``update_weights`` set, and each call makes
 its own connections: it may run in a background thread while the trainer trains.

@@ -38,7 +38,7 @@ START_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.")
 class GSPOCLI(LightningCLI):
     """LightningCLI over GSPOModule and PromptDataModule, with CSV + TensorBoard logging and
     a ``checkpoint:`` section (``ModelCheckpoint``: ``last.ckpt`` every 50 rollout steps by default,
-    and at the end of fit: see ``preemption.py``)."""
+    and at the end of fit: see ``run/preemption.py``)."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

@@ -1,7 +1,7 @@
 """Log-probs of response tokens under a causal LM, without a full-vocabulary logit tensor.
 
 Tokens are scored under the distribution the engine sampled from: temperature-scaled,
-top-k / top-p filtered and renormalized (``sampling.py``).
+top-k / top-p filtered and renormalized (``rollout/sampling.py``).
 
 The decoder runs over each distinct prompt once (rows of a group share it, as in the
 engine's prefill) and over every response; only the response positions go through the

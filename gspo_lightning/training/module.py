@@ -5,10 +5,10 @@ One ``training_step`` turns a batch of prompts into updates:
 1. rollout, from the rollout source ``max_staleness`` chose (``rollout/source.py``): sampled
    now with the current weights (``0``), or generated ahead on a producer thread (``k >= 1``)
 2. log-prob passes needed before any update (old policy, reference), no grad; the off-policy
-   weights (``offpolicy.py``) and the clip budget's split (``clip_budget.py``)
-3. rewards -> advantages (``advantages.py``)
-4. the updates: ``ppo_epochs`` x mini-batches x micro-batches (``update.py``), every optimizer
-   call through the strategy (``strategy_ops.py``)
+   weights (``objective/offpolicy.py``) and the clip budget's split (``objective/clip_budget.py``)
+3. rewards -> advantages (``objective/advantages.py``)
+4. the updates: ``ppo_epochs`` x mini-batches x micro-batches (``training/update.py``), every optimizer
+   call through the strategy (``training/strategy_ops.py``)
 5. metrics -> loggers
 
 Three counters, one meaning each (docs/architecture.md):
@@ -76,7 +76,7 @@ class GSPOModule(L.LightningModule):
     Args:
         model_name_or_path: hub id, local folder, a ``.gguf`` file, or ``builtin:<name>`` (a tiny
             local model, or ``builtin:smollm2-135m-instruct``); GGUF is converted once into a
-            cached folder (``gguf_models.py``).
+            cached folder (``models/gguf.py``).
         dtype: weight dtype: ``float32``, ``bfloat16`` or ``float16``.
         attn_implementation: passed to ``from_pretrained`` (``sdpa``, ``flash_attention_2``...).
         gradient_checkpointing: recompute decoder activations in backward to save memory.
@@ -162,7 +162,7 @@ class GSPOModule(L.LightningModule):
         prompt_length: longest prompt in tokens (the CLI links it from ``data.prompt_length``).
         rollout_batch_size: prompts per step (the CLI links it from ``data.rollout_batch_size``).
         metric_hooks: functions ``hook(MicroBatch) -> {name: (value, weight)}`` adding
-            per-update metrics (``update.py``).
+            per-update metrics (``training/update.py``).
         optimizer: optimizer factory (default AdamW, lr 1e-6).
         lr_scheduler: scheduler factory, stepped once per optimizer step.
     """
@@ -303,7 +303,7 @@ class GSPOModule(L.LightningModule):
             self.routing_recorder = RoutingRecorder(self.policy)
 
     def _fully_shard(self, mesh) -> None:
-        """FSDP2: the policy and the frozen reference, sharded alike (``sharding.py``)."""
+        """FSDP2: the policy and the frozen reference, sharded alike (``training/sharding.py``)."""
         from gspo_lightning.training.sharding import data_parallel_mesh, fully_shard_causal_lm
 
         dp_mesh = data_parallel_mesh(mesh)
@@ -417,7 +417,7 @@ class GSPOModule(L.LightningModule):
             # the distribution the engine sampled from: temperature, then the top-k / top-p filters
             temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p,
             # the chunked path calls the decoder and the head separately: under FSDP2 both are
-            # their own units, unless the model has parameters outside them (sharding.py)
+            # their own units, unless the model has parameters outside them (training/sharding.py)
             chunk_size=hp.logprob_chunk_size if self._chunked_logprobs else None,
         )
 

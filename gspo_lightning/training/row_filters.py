@@ -2,7 +2,7 @@
 
 - **Overlong filtering** (DAPO): a response cut off at ``response_length`` has no ending
   to be judged by, so its tokens leave the loss: the loss mask drops the row. The loss's
-  denominators come from the same mask (``update.py`` counts sequences with a token left
+  denominators come from the same mask (``training/update.py`` counts sequences with a token left
   and tokens left), so every ``loss_agg_mode`` averages over the responses that remain.
 - **Skipping zero-advantage rows**: with no KL term (and no MoE load-balancing loss), a
   response whose advantage is zero at every token adds exactly zero to the loss and to

@@ -5,7 +5,7 @@ Units (``fully_shard`` groups): every decoder layer; the input embeddings and th
 head (one unit when their weights are tied, else two); and the decoder itself, which holds
 the final norm and is the root of every forward. Nothing is left to the model's own root,
 so the decoder and the head can be called separately, as the chunked log-prob path does
-(``logprobs.py``): each call's FSDP hooks gather what it needs. A model with parameters
+(``training/logprobs.py``): each call's FSDP hooks gather what it needs. A model with parameters
 outside its decoder and head gets a root unit instead, and must take the full-logit path.
 
 Generation with the Hugging Face engine gathers every unit once per ``generate`` call

@@ -5,7 +5,7 @@ where Lightning expects it, so the strategy and the precision plugin see every b
 every step:
 
 - ``backward``: ``LightningModule.manual_backward`` (the precision plugin scales the loss),
-  times the world size where the strategy averages gradients over ranks (``distributed.py``);
+  times the world size where the strategy averages gradients over ranks (``training/distributed.py``);
 - ``step(counted=True)``: Lightning's optimizer wrapper, which advances ``trainer.global_step``
   (once per rollout step); ``step(counted=False)``: ``strategy.optimizer_step``, the same
   step without the count;

@@ -1,7 +1,7 @@
 """The GSPO update of one rollout: ``ppo_epochs`` x mini-batches x micro-batches.
 
 Each mini-batch is one optimizer step. Its micro-batches accumulate gradients with the
-loss denominators of the *whole* mini-batch over all ranks (``loss.py``), so the step's
+loss denominators of the *whole* mini-batch over all ranks (``objective/loss.py``), so the step's
 gradient does not depend on how the mini-batch is split into micro-batches or ranks.
 
 The updater knows nothing of Lightning: the module hands it the policy's log-prob
@@ -50,8 +50,8 @@ class UpdateSettings:
     router_aux_loss_coef: float = 0.0
     routing_replay: bool = False
     max_consecutive_nonfinite: int = 3
-    overlong_filtering: bool = False  # truncated responses leave the loss (row_filters.py)
-    skip_zero_advantage: bool = False  # no forward/backward for rows that add exactly zero (row_filters.py)
+    overlong_filtering: bool = False  # truncated responses leave the loss (training/row_filters.py)
+    skip_zero_advantage: bool = False  # no forward/backward for rows that add exactly zero (training/row_filters.py)
 
 
 @dataclass(frozen=True)
@@ -240,8 +240,8 @@ class PolicyUpdater:
         ``policy_logprobs(rows) -> (logprobs, entropy)`` runs the policy with grad on rows
         of the rollout. ``old`` is ``None`` when exactly one update follows a recompute (the
         first forward's own log-probs are the old ones). ``routing_recorder`` is the
-        MoE ``RoutingRecorder`` when the policy has experts (``moe.py``). ``is_weights`` (``(N,)`` or
-        ``(N, T)``) are off-policy importance weights multiplying the surrogate (``offpolicy.py``).
+        MoE ``RoutingRecorder`` when the policy has experts (``models/moe.py``). ``is_weights`` (``(N,)`` or
+        ``(N, T)``) are off-policy importance weights multiplying the surrogate (``objective/offpolicy.py``).
         """
         s = self.settings
         num = rollout.num_responses
