@@ -73,3 +73,22 @@ def test_fit_writes_under_default_root_dir_and_prints_steps_not_epochs(tmp_path)
     assert "Epoch" not in text and "FLOPs" not in text, text[-3000:]
     assert "step" in text and "2/2" in text
     assert "policy     LlamaForCausalLM" in text and "16 prompts x 8 responses = 128 responses" in text
+
+
+def test_a_checkpoint_from_before_the_layout_continues_its_log_folder(tmp_path):
+    """A checkpoint written by 0.1 names its logger ``gspo_lightning.loggers.CSVLogger``: resumed
+    today (``gspo_lightning.run.loggers.CSVLogger``) the run still writes into the same version."""
+    import torch
+    from jsonargparse import Namespace
+
+    from gspo_lightning.run.command import continue_log_versions, current_class_path
+
+    assert current_class_path("gspo_lightning.loggers.CSVLogger") == "gspo_lightning.run.loggers.CSVLogger"
+    assert current_class_path("mypackage.MyLogger") == "mypackage.MyLogger"
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"gspo": {"loggers": [{"class": "gspo_lightning.loggers.CSVLogger", "save_dir": str(tmp_path),
+                                      "name": "csv", "version": 3}]}}, ckpt)
+    entry = Namespace(class_path="gspo_lightning.run.loggers.CSVLogger",
+                      init_args=Namespace(save_dir=str(tmp_path), name="csv", version=None))
+    continue_log_versions([entry], str(ckpt))
+    assert entry.init_args.version == 3

@@ -165,8 +165,17 @@ def continue_log_versions(loggers, ckpt_path: str) -> None:
         class_name = f"{cls.__module__}.{cls.__qualname__}"
         for identity in saved:
             same_place = Path(str(args.get("save_dir", ""))).resolve() == Path(identity["save_dir"]).resolve()
-            if identity["class"] == class_name and same_place and args.get("name") == identity["name"]:
+            if current_class_path(identity["class"]) == class_name and same_place and args.get("name") == identity["name"]:
                 args["version"] = identity["version"]
+
+
+def current_class_path(class_path: str) -> str:
+    """A class path as today's package names it (a checkpoint from before the package was laid
+    out by concern names ``gspo_lightning.loggers.CSVLogger``, now ``...run.loggers.CSVLogger``)."""
+    from gspo_lightning._imports import moved_target
+
+    module, _, name = class_path.rpartition(".")
+    return f"{moved_target(module) or module}.{name}"
 
 
 # Warnings that say nothing actionable for a GSPO run.
