@@ -111,7 +111,11 @@ class RolloutServer:
         spec = self.spec
         tokenizer = load_tokenizer(spec.model_name_or_path, spec.trust_remote_code)
         model = load_policy(spec.model_name_or_path, tokenizer, spec.dtype, None, spec.trust_remote_code)
-        model.eval().requires_grad_(False)
+        # eval, but weights left as the trainer's policy has them (requiring grad; generation runs
+        # without autograd, so no gradient is ever kept): on some CPUs (AVX-512, MKL) the output
+        # head's matmul over the prompt's last position dispatches to mm or bmm by that flag, and
+        # the two round differently, so a frozen copy sampled ~1e-7 apart from the colocated engine
+        model.eval()
         model.config.use_cache = False
         eos = eos_token_ids(model, tokenizer)
         self.identity = {
