@@ -1,4 +1,4 @@
-"""Rollouts from a rollout server (rollout/server.py) through the client engine (rollout/remote.py):
+"""Rollouts from a rollout server (rollout/server/) through the client engine (rollout/remote.py):
 the weight transport, several servers, and the faults: no server, another model, weights other
 than pushed, a second trainer, a server that dies or restarts. The engine contract suite runs
 against the client too (tests/test_engine_contract.py, ``remote-*``)."""

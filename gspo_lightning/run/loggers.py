@@ -8,7 +8,7 @@ Lightning's ``CSVLogger`` deletes ``metrics.csv`` when it opens a version folder
 already has one, so a run resumed into its own version would lose its history. This one
 keeps the earlier rows up to the step the run resumes from (rows logged after the
 checkpoint are replaced by the resumed run's) and appends. The ``gspo`` command points a
-resumed ``fit`` at the checkpoint's version folders (``cli.py``).
+resumed ``fit`` at the checkpoint's version folders (``run/command.py``).
 """
 
 from __future__ import annotations
