@@ -77,9 +77,18 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=found.submodule_search_locations is not None)
 
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
     def create_module(self, spec):
         new = moved_target(spec.name)
-        warnings.warn(f"{spec.name} moved to {new}; the old path still works", DeprecationWarning, stacklevel=2)
+        old_head = ".".join(spec.name.split(".")[:2])  # gspo_lightning.tasks for gspo_lightning.tasks.echo
+        if old_head not in self.warned:  # once per moved module, not again for each of its submodules
+            self.warned.add(old_head)
+            # FutureWarning, not DeprecationWarning: Python hides the latter outside __main__, and
+            # the user whose config names the old path is the one who should read this
+            warnings.warn(f"{old_head} moved to {moved_target(old_head)}; the old path still works, the new one is "
+                          "preferred", FutureWarning, stacklevel=2)
         return importlib.import_module(new)
 
     def exec_module(self, module) -> None:

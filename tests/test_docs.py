@@ -74,6 +74,6 @@ def test_every_package_name_in_configs_and_docs_resolves():
     names = {(path.relative_to(ROOT), match) for path in files
              for match in re.findall(r"gspo_lightning(?:\.[A-Za-z_]\w*)+", path.read_text())}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # a doc may show an old path on purpose
+        warnings.simplefilter("ignore", FutureWarning)  # a doc may show an old path on purpose
         missing = sorted(f"{path}: {name}" for path, name in names if not resolves(name))
     assert len(names) > 30 and not missing, missing
