@@ -68,6 +68,9 @@ def moved_target(fullname: str, package: str = "gspo_lightning") -> str | None:
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old module path as the module it moved to (one object under both names)."""
 
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
     def find_spec(self, fullname, path=None, target=None):
         new = moved_target(fullname)
         if new is None:
@@ -76,9 +79,6 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if found is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=found.submodule_search_locations is not None)
-
-    def __init__(self) -> None:
-        self.warned: set[str] = set()
 
     def create_module(self, spec):
         new = moved_target(spec.name)
