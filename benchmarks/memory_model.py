@@ -532,7 +532,7 @@ def check_reward(prompts, completions, **columns) -> list[float]:
     return [sum(ch.isdigit() for ch in text) / (1 + len(text)) for text in completions]
 
 
-def build_check_model(folder: Path, shape: Shape = CHECK_SHAPE, seed: int = 1234) -> Path:
+def build_check_model(folder: Path, shape: Shape = CHECK_SHAPE, seed: int = 1234, max_position_embeddings: int = 1024) -> Path:
     """A random Qwen3 model of ``shape`` with the BPE tokenizer of ``builtin:tiny-gsm8k``, saved to ``folder``."""
     import torch
     from transformers import Qwen3ForCausalLM
@@ -543,7 +543,7 @@ def build_check_model(folder: Path, shape: Shape = CHECK_SHAPE, seed: int = 1234
         return folder
     tokenizer = build_tokenizer(get_spec("builtin:tiny-gsm8k"))
     config = qwen3_config(shape)
-    config.max_position_embeddings = 1024
+    config.max_position_embeddings = max_position_embeddings
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(folder)
