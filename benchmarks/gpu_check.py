@@ -110,15 +110,28 @@ def measure_case(name: str, model_dir: Path, out: Path, steps: int, dry: bool) -
     phases: dict[tuple[int, str], dict] = {}
     captured: dict[str, torch.Tensor] = {}
 
+    open_phases: list[str] = []  # phases nest (the optimizer step runs inside the update)
+
+    def fold_peak() -> None:
+        """Credit the peak since the last reset to every open phase, then reset."""
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        for phase in open_phases:
+            entry = phases.setdefault((step[0], phase), {"peak": 0, "seconds": 0.0})
+            entry["peak"] = max(entry["peak"], peak)
+        torch.cuda.reset_peak_memory_stats()
+
     def phased(phase, fn):
         def wrapper(*args, **kwargs):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            fold_peak()
+            open_phases.append(phase)
             start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            torch.cuda.synchronize()
+            try:
+                result = fn(*args, **kwargs)
+                fold_peak()
+            finally:
+                open_phases.remove(phase)
             entry = phases.setdefault((step[0], phase), {"peak": 0, "seconds": 0.0})
-            entry["peak"] = max(entry["peak"], torch.cuda.max_memory_allocated())
             entry["seconds"] += time.perf_counter() - start
             if phase == "generate":
                 captured["rollout"] = result

@@ -17,7 +17,7 @@ def fit_chunked(tmp_path, strategy, max_grad_norm):
 
     import lightning as L
 
-    from gspo_lightning import logprobs
+    from gspo_lightning.training import logprobs
     from gspo_lightning.data.datamodule import PromptDataModule
     from gspo_lightning.training.module import GSPOModule
     from gspo_lightning.rewards import RewardSpec
@@ -47,6 +47,15 @@ def test_fsdp1_trains_through_the_chunked_head(tmp_path):
     from lightning.pytorch.strategies import FSDPStrategy
 
     metrics = fit_chunked(tmp_path, FSDPStrategy(use_orig_params=True), max_grad_norm=1.0)
+    assert metrics["grad_norm"] > 0 and metrics["policy_version"] == 4
+
+
+def test_fsdp2_on_one_gpu_syncs_its_metrics_over_nccl(tmp_path):
+    """Found on the first GPU run: step metrics logged from floats were CPU aggregates, and
+    NCCL (every multi-process GPU run, FSDP2 on one GPU too) has no CPU backend to sync them."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    metrics = fit_chunked(tmp_path, ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), max_grad_norm=1.0)
     assert metrics["grad_norm"] > 0 and metrics["policy_version"] == 4
 
 

@@ -56,3 +56,17 @@ def test_a_metric_not_measured_this_step_is_nan_not_its_last_value():
     m.update("time/weight_sync", 0.5)
     values = m.compute()
     assert values["time/weight_sync"] == 0.5 and values["time/step"] != values["time/step"]
+
+
+def test_aggregates_live_on_the_device_the_module_moved_to():
+    """A float's aggregate is created where the module is (NCCL cannot sync CPU tensors):
+    the anchor moves with ``.to``, and every aggregate is created on the anchor's device."""
+    m = StepMetrics()
+    m.update("a", 1.0)
+    m.update("b", torch.tensor(2.0), kind="max")
+    assert {agg.device for agg in m.aggregates.values()} == {m.device_anchor.device}
+    assert "device_anchor" not in m.state_dict()  # not saved: checkpoints stay as they were
+    if torch.cuda.is_available():
+        m.to("cuda")
+        m.update("c", 3.0)
+        assert m.aggregates[m._key("c")].device.type == "cuda"

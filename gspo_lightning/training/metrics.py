@@ -20,6 +20,10 @@ class StepMetrics(nn.Module):
         self.aggregates = nn.ModuleDict()
         self.kinds: dict[str, str] = {}
         self.updated: set[str] = set()  # names updated since the last compute
+        # moves with the LightningModule: aggregates are created on its device, because the
+        # process group syncs them there (NCCL has no CPU backend: a float's CPU aggregate broke
+        # every multi-process GPU run)
+        self.register_buffer("device_anchor", torch.empty(0), persistent=False)
 
     @staticmethod
     def _key(name: str) -> str:
@@ -28,8 +32,7 @@ class StepMetrics(nn.Module):
     def update(self, name: str, value: Union[Tensor, float], weight: Union[Tensor, float] = 1.0, kind: str = "mean") -> None:
         key = self._key(name)
         if key not in self.aggregates:
-            device = value.device if torch.is_tensor(value) else torch.device("cpu")
-            self.aggregates[key] = _KINDS[kind](nan_strategy="ignore", sync_on_compute=True).to(device)
+            self.aggregates[key] = _KINDS[kind](nan_strategy="ignore", sync_on_compute=True).to(self.device_anchor.device)
             self.kinds[name] = kind
         metric = self.aggregates[key]
         self.updated.add(name)
