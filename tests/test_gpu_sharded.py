@@ -34,6 +34,7 @@ def fit_chunked(tmp_path, strategy, max_grad_norm):
                                 val_size=0)
         trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            use_distributed_sampler=False,  # as the gspo command sets it (the sampler shards prompts itself)
                             num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
