@@ -1,5 +1,5 @@
 """Models: loading the policy and its tokenizer (hub id, folder, ``builtin:``, GGUF), the KV
-cache's name across transformers versions, Mixture-of-Experts routing."""
+cache's name across transformers versions, Mixture-of-Experts routing, LoRA adapters."""
 
 from gspo_lightning._imports import lazy_exports
 
@@ -7,6 +7,7 @@ EXPORTS = {
     **dict.fromkeys(["load_policy", "load_tokenizer", "eos_token_ids", "check_model_source"], "loading"),
     **dict.fromkeys(["ModelSourceError", "resolve_model", "is_gguf_builtin"], "gguf"),
     **dict.fromkeys(["cache_kwargs", "output_cache"], "hf_cache"),
+    **dict.fromkeys(["LoRA", "attach_lora", "adapters_disabled", "merged_state_dict", "save_adapter"], "lora"),
     **dict.fromkeys(["RoutingRecorder", "RoutingChange", "RouterLogitsCapture", "load_balancing_loss"], "moe"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from gspo_lightning.rollout.engine import EngineSpec, WeightsIterator
 from gspo_lightning.rollout.hf import HFEngine
+from gspo_lightning.rollout.weight_sync import iter_policy_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -92,7 +93,7 @@ class HFCopyEngine(HFEngine):
             skip = {id(head.weight)} if head is not None else set()
             self._quantized = {f"{module_name}.weight" for module_name, module in copy.named_modules()
                                if isinstance(module, nn.Linear) and id(module.weight) not in skip}
-        self._load(policy.named_parameters())  # usable at once; the first rollout pushes its version anyway
+        self._load(iter_policy_weights(policy))  # usable at once; the first rollout pushes its version anyway
 
     @torch.no_grad()
     def _load(self, weights: WeightsIterator) -> tuple[int, int]:

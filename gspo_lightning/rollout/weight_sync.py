@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from gspo_lightning.models.lora import MergedLoRAWeight, has_lora, merged_named_weights
 from gspo_lightning.rollout.engine import Generation
 
 Bucket = list[tuple[str, Tensor]]
@@ -95,6 +96,8 @@ def sharding_kind(model: nn.Module) -> str:
 
 
 def _named_params(model: nn.Module) -> list[tuple[str, Tensor]]:
+    if has_lora(model):  # the base model's names, each LoRA layer's weight merged when read
+        return merged_named_weights(model, engine_name)
     return [(engine_name(name), p) for name, p in model.named_parameters()]
 
 
@@ -103,10 +106,14 @@ def _data(tensor: Tensor) -> Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
+def _read(value, materialize: Callable[[Tensor], Tensor]) -> Tensor:
+    return value.materialize(materialize) if isinstance(value, MergedLoRAWeight) else materialize(value)
+
+
 def _iter_by_size(named: list[tuple[str, Tensor]], bucket_bytes: int,
                   materialize: Callable[[Tensor], Tensor]) -> Iterator[Bucket]:
     for indices in plan_buckets([full_nbytes(p) for _, p in named], bucket_bytes):
-        bucket = [(named[i][0], _data(materialize(named[i][1]))) for i in indices]
+        bucket = [(named[i][0], _data(_read(named[i][1], materialize))) for i in indices]
         yield bucket
         del bucket  # gathered copies die before the next bucket is gathered
 
@@ -190,6 +197,9 @@ def iter_buckets(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] 
     ``root``: an FSDP1 wrapper that contains ``model`` (Lightning's ``strategy.model``).
     """
     kind = sharding_kind(model if root is None else root)
+    if kind in ("deepspeed", "fsdp1") and has_lora(model):
+        raise NotImplementedError(f"LoRA adapters under {kind} cannot be merged for the engine here: "
+                                  "train LoRA with DDP or FSDP2 (ModelParallelStrategy)")
     if kind == "deepspeed":
         return _iter_deepspeed(model, bucket_bytes)
     if kind == "fsdp1":

@@ -27,15 +27,32 @@ def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
     return out
 
 
-def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, is_global_zero: bool) -> None:
-    """``export_on_fit_end``: the policy saved into ``folder`` by rank 0; a sharded policy is
-    not gathered here (a warning: export from the checkpoint)."""
+def save_lora_policy(policy, tokenizer, out_dir: str | Path, lora, base_model: str) -> Path:
+    """A LoRA policy, twice: the merged model in ``out_dir`` (Auto classes load it like any
+    model) and the PEFT adapter folder in ``out_dir/adapter`` (``PeftModel.from_pretrained`` on
+    the base ``base_model``)."""
+    from gspo_lightning.models.lora import base_model_copy, merged_state_dict, save_adapter
+
+    out = save_policy(base_model_copy(policy, merged_state_dict(policy)), tokenizer, out_dir)
+    save_adapter(policy, out / "adapter", base_model, lora)
+    return out
+
+
+def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, is_global_zero: bool, lora=None,
+                     base_model: str | None = None) -> None:
+    """``export_on_fit_end``: the policy saved into ``folder`` by rank 0 (with ``lora``: merged,
+    and its adapter folder); a sharded policy is not gathered here (a warning: export from the
+    checkpoint)."""
     if sharded:
         warnings.warn("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
         return
     if is_global_zero:
-        save_policy(policy, tokenizer, folder)
-        print(f"policy exported to {folder}")
+        if lora is not None:
+            save_lora_policy(policy, tokenizer, folder, lora, base_model)
+            print(f"policy exported to {folder} (LoRA merged), adapter to {folder / 'adapter'}")
+        else:
+            save_policy(policy, tokenizer, folder)
+            print(f"policy exported to {folder}")
 
 
 def check_auto_tokenizer(tokenizer, folder: Path) -> bool:
@@ -79,9 +96,21 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     name = resolve_model(name, hparams.get("gguf_file"))  # a GGUF source: its converted folder
     tokenizer = load_tokenizer(name, hparams.get("trust_remote_code", False))
     policy = load_policy(name, tokenizer, hparams.get("dtype", "float32"), None, hparams.get("trust_remote_code", False))
+    lora = None
+    if hparams.get("lora"):  # the checkpoint holds the adapters only: the base comes from model_name_or_path
+        from gspo_lightning.models.lora import LoRA, attach_lora
+
+        lora = LoRA(**hparams["lora"])
+        policy = attach_lora(policy, lora)
     prefix = "policy."
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     missing, unexpected = policy.load_state_dict(state, strict=False)
+    if lora is not None:
+        trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+        if unexpected or trainable - set(state):
+            raise ValueError(f"checkpoint does not match {name} with lora={hparams['lora']}: "
+                             f"missing adapters {sorted(trainable - set(state))[:5]}, unexpected {unexpected[:5]}")
+        return save_lora_policy(policy, tokenizer, out_dir, lora, name)
     tied = getattr(policy, "_tied_weights_keys", None) or []  # None on models without tied weights
     missing = [k for k in missing if k not in tied]
     if unexpected or (missing and not all("lm_head" in k for k in missing)):

@@ -45,6 +45,7 @@ from torch import Tensor
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
+from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora, frozen_state_keys
 from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
 from gspo_lightning.objective.clip_budget import ClipBudget
 from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
@@ -82,6 +83,8 @@ class GSPOModule(L.LightningModule):
         gradient_checkpointing: recompute decoder activations in backward to save memory.
         trust_remote_code: allow a hub model's own Python code (off unless you trust it).
         gguf_file: the GGUF file inside the folder ``model_name_or_path`` (transformers' ``gguf_file``).
+        lora: train LoRA adapters on the frozen policy (``models/lora.py``: rank, alpha, dropout,
+            target modules); the reference is then the base with the adapters off. ``null``: full weights.
         rewards: the reward functions (import path, weight, kwargs, name).
         on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
         engine: the generation engine, by ``class_path`` (default: ``HFEngine``, the policy
@@ -175,6 +178,7 @@ class GSPOModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         gguf_file: Optional[str] = None,
+        lora: Optional[LoRA] = None,
         rewards: Optional[list[RewardSpec]] = None,
         on_reward_error: OnRewardError = "raise",
         engine: Optional[RolloutEngine] = None,
@@ -231,13 +235,13 @@ class GSPOModule(L.LightningModule):
         lr_scheduler: Optional[LRSchedulerCallable] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "metric_hooks", "off_policy"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "metric_hooks", "off_policy", "lora"])
         # plain dicts, so checkpoints load with torch.load(weights_only=True)
         self.hparams["rewards"] = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None
-        if isinstance(off_policy, dict):  # from a checkpoint's hyper-parameters
-            off_policy = OffPolicyCorrection(**off_policy)
-        self.off_policy = off_policy
-        self.hparams["off_policy"] = dataclasses.asdict(off_policy) if off_policy is not None else None
+        # config blocks as dataclasses here, as dicts in the hyper-parameters (a dict: from a checkpoint's)
+        for name, block, kind in (("off_policy", off_policy, OffPolicyCorrection), ("lora", lora, LoRA)):
+            setattr(self, name, kind(**block) if isinstance(block, dict) else block)
+            self.hparams[name] = dataclasses.asdict(getattr(self, name)) if block is not None else None
         validate_gspo_settings(dict(self.hparams))
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -286,13 +290,14 @@ class GSPOModule(L.LightningModule):
             return
         hp = self.hparams
         policy = load_policy(self.model_source, self.tokenizer, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
+        policy = attach_lora(policy, self.lora) if self.lora is not None else policy
         # from_pretrained returns eval mode, and neither Lightning nor transformers switch back:
         # gradient checkpointing and dropout act only in train mode
         self.policy = policy.train()
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.config.use_cache = False
-        if self.needs_reference:
+        if self.needs_reference and self.lora is None:  # with LoRA the reference is the base: adapters off
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
         if self.device_mesh is not None:  # set by ModelParallelStrategy (FSDP2)
             self._fully_shard(self.device_mesh)
@@ -402,8 +407,8 @@ class GSPOModule(L.LightningModule):
         if self.hparams.export_on_fit_end:
             from gspo_lightning.run.export import export_after_fit
 
-            folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
-            export_after_fit(self.policy, self.tokenizer, folder, sharded=self.sharded, is_global_zero=self.trainer.is_global_zero)
+            export_after_fit(self.policy, self.tokenizer, Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model",
+                             sharded=self.sharded, is_global_zero=self.trainer.is_global_zero, lora=self.lora, base_model=self.model_source)
 
     # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
@@ -437,6 +442,12 @@ class GSPOModule(L.LightningModule):
             model.train(was_training)
         return logprobs.clone()  # a normal tensor again, usable next to autograd tensors
 
+    def _reference_logprobs(self, rollout: Rollout) -> Optional[Tensor]:
+        if self.lora is not None and self.needs_reference:  # the base: the policy with its adapters off
+            with adapters_disabled(self.policy):
+                return self._logprobs_no_grad(self.policy, rollout)
+        return self._logprobs_no_grad(self.reference, rollout) if self.reference is not None else None
+
     def _needs_old_pass(self, num_responses: int) -> bool:
         """With exactly one update, the old log-probs equal the first forward's own: skip the pass."""
         s, hp = self.updater.settings, self.hparams
@@ -465,7 +476,7 @@ class GSPOModule(L.LightningModule):
         trainer_old = old if hp.old_logprobs == "recompute" else None
         if trainer_old is None and hp.old_logprobs == "engine" and (self.clip_budget is not None or self.off_policy is not None):
             trainer_old = self._logprobs_no_grad(self.policy, rollout)
-        ref = self._logprobs_no_grad(self.reference, rollout) if self.reference is not None else None
+        ref = self._reference_logprobs(rollout)
         time_logprobs = time.perf_counter() - start
         for name, value in source_stats.items():
             self.step_metrics.update(name, value)
@@ -552,8 +563,9 @@ class GSPOModule(L.LightningModule):
 
     # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # the reference is the initial policy, rebuilt from model_name_or_path on load
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("reference.")}
+        # frozen weights (the reference, LoRA's base) are the initial policy's: rebuilt from model_name_or_path on load
+        frozen = frozen_state_keys(self)
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
         checkpoint["gspo"] = {
             "policy_version": self.policy_version,
             "rollout_steps": self.rollout_steps,
@@ -567,8 +579,8 @@ class GSPOModule(L.LightningModule):
             checkpoint["gspo"]["pending_rollouts"] = pending
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if self.reference is not None:
-            checkpoint["state_dict"].update({f"reference.{k}": v for k, v in self.reference.state_dict().items()})
+        frozen = frozen_state_keys(self)
+        checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items() if k in frozen})
         state = checkpoint.get("gspo")
         if state:
             self.policy_version = state["policy_version"]

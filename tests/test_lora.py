@@ -1,0 +1,215 @@
+"""LoRA (``models/lora.py``): adapters on a frozen policy loaded from a saved folder (the hub
+path), the base as the reference, merged weights for engines, adapter-only checkpoints with an
+exact resume, and both exports loaded the way users load them."""
+
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from gspo_lightning.data.datamodule import PromptDataModule  # noqa: E402
+from gspo_lightning.models.loading import load_policy, load_tokenizer  # noqa: E402
+from gspo_lightning.models.lora import (  # noqa: E402
+    LoRA, MergedLoRAWeight, adapters_disabled, attach_lora, frozen_state_keys, merged_state_dict,
+)
+from gspo_lightning.rewards import RewardSpec  # noqa: E402
+from gspo_lightning.rollout import HFCopyEngine, HFEngine  # noqa: E402
+from gspo_lightning.rollout.weight_sync import iter_policy_weights  # noqa: E402
+from gspo_lightning.training.logprobs import response_logprobs  # noqa: E402
+from gspo_lightning.training.module import GSPOModule  # noqa: E402
+
+ECHO_REWARD = [RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")]
+
+
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory):
+    """builtin:tiny-echo saved with save_pretrained: the policy loads with from_pretrained."""
+    from gspo_lightning.data.tasks import build_tiny
+
+    torch.manual_seed(3)
+    model, tokenizer = build_tiny("builtin:tiny-echo")
+    folder = tmp_path_factory.mktemp("base")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def load(folder, lora=None):
+    tokenizer = load_tokenizer(folder, False)
+    policy = load_policy(folder, tokenizer, "float32")
+    return (attach_lora(policy, lora) if lora else policy), tokenizer
+
+
+def perturb_adapters(policy, seed=5, scale=0.3):
+    """Fresh adapters are the identity (B = 0): give every B a value so the adapters matter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * scale)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.tensor([[3, 5, 7, 9, 4, 6, 8, 2]])
+
+
+def test_bad_lora_settings_name_the_fix(base_folder):
+    for kwargs, words in [({"rank": 0}, "lora.rank"), ({"alpha": 0.0}, "lora.alpha"), ({"dropout": 1.0}, "lora.dropout"),
+                          ({"target_modules": []}, "all-linear")]:
+        with pytest.raises(ValueError, match=words):
+            LoRA(**kwargs)
+    policy, _ = load(base_folder)
+    with pytest.raises(ValueError, match=r"matches no layer.*q_proj"):
+        attach_lora(policy, LoRA(target_modules=["attention_dense"]))
+
+
+def test_only_the_adapters_train_and_fresh_adapters_change_nothing(base_folder):
+    base, _ = load(base_folder)
+    policy, _ = load(base_folder, LoRA(rank=4, alpha=8))
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # all-linear: the decoder's 7 projections per layer, not the output head
+    layers = base.config.num_hidden_layers
+    assert len(trainable) == 2 * 7 * layers and not any("lm_head" in n for n in trainable)
+    torch.testing.assert_close(logits(policy, IDS), logits(base, IDS), rtol=0, atol=0)
+    assert type(policy) is type(base)  # injected in place: the trainer's paths see the same class
+
+
+def test_merged_weight_is_base_plus_scaled_product_worked_by_hand():
+    # W = [[1, 2], [3, 4]], A = [[1, 0]] (r=1, in=2), B = [[2], [-1]] (out=2), scaling = alpha / r = 0.5
+    # B @ A = [[2, 0], [-1, 0]]; W + 0.5 * B @ A = [[2, 2], [2.5, 4]]
+    merged = MergedLoRAWeight(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1.0, 0.0]]),
+                              torch.tensor([[2.0], [-1.0]]), 0.5).materialize(lambda t: t)
+    assert merged.tolist() == [[2.0, 2.0], [2.5, 4.0]]
+
+
+def test_merged_weights_give_the_adapted_models_outputs_under_the_base_names(base_folder):
+    base, _ = load(base_folder)
+    policy, _ = load(base_folder, LoRA(rank=4, alpha=8))
+    perturb_adapters(policy)
+    sent = dict(iter_policy_weights(policy))
+    assert set(sent) == {n for n, _ in base.named_parameters()}  # what any engine loading the base expects
+    base.load_state_dict({**base.state_dict(), **sent})
+    adapted = logits(policy, IDS)
+    torch.testing.assert_close(logits(base, IDS), adapted, rtol=1e-5, atol=1e-5)
+    # and the adapters do matter: the unadapted model is far from it
+    with adapters_disabled(policy):
+        assert (logits(policy, IDS) - adapted).abs().max() > 1e-2
+    assert set(merged_state_dict(policy)) >= set(sent)
+
+
+def make_module(base_folder, **overrides):
+    kwargs = dict(model_name_or_path=base_folder, rewards=ECHO_REWARD, num_return_sequences_in_group=4, response_length=5,
+                  lora=LoRA(rank=4, alpha=8), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    kwargs.update(overrides)
+    return GSPOModule(**kwargs)
+
+
+def fit(module, folder, max_steps, ckpt_path=None, seed=11, **trainer_kwargs):
+    L.seed_everything(seed, verbose=False)
+    data = PromptDataModule(path="builtin:echo", tokenizer=module.hparams.model_name_or_path, rollout_batch_size=4,
+                            prompt_length=8, val_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=folder, **trainer_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_the_reference_is_the_base_with_no_second_copy(base_folder):
+    module = make_module(base_folder, use_kl_loss=True, kl_loss_coef=0.1)
+    module.configure_model()
+    assert module.reference is None  # no deepcopy of the model
+    perturb_adapters(module.policy)
+    base, tokenizer = load(base_folder)
+    mask = torch.ones_like(IDS)
+    rollout = type("R", (), {"input_ids": IDS, "attention_mask": mask, "prompt_width": 3, "num_responses": 1})()
+    reference = module._reference_logprobs(rollout)
+    expected, _ = response_logprobs(base.eval(), IDS, mask, 3)
+    torch.testing.assert_close(reference, expected, rtol=1e-6, atol=1e-6)
+    policy_logprobs, _ = response_logprobs(module.policy.eval(), IDS, mask, 3)
+    assert (policy_logprobs - expected).abs().max() > 1e-3  # the adapters were on again after the pass
+
+
+def test_optimizer_holds_only_adapters_and_the_checkpoint_leaves_the_base_out(base_folder, tmp_path):
+    module = make_module(base_folder)
+    trainer = fit(module, tmp_path, max_steps=2, enable_checkpointing=True)
+    optimizer = trainer.optimizers[0]
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in module.policy.parameters() if p.requires_grad}
+    ckpt = next(Path(tmp_path).rglob("*.ckpt"))
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    assert not frozen_state_keys(module) & set(saved)
+
+
+@pytest.mark.parametrize("use_kl_loss", [False, True])
+def test_resume_from_an_adapter_checkpoint_is_exact(base_folder, tmp_path, use_kl_loss):
+    straight = make_module(base_folder, use_kl_loss=use_kl_loss, kl_loss_coef=0.05)
+    fit(straight, tmp_path / "straight", max_steps=4)
+    first = make_module(base_folder, use_kl_loss=use_kl_loss, kl_loss_coef=0.05)
+    fit(first, tmp_path / "first", max_steps=2, enable_checkpointing=True)
+    ckpt = next((tmp_path / "first").rglob("*.ckpt"))
+    resumed = make_module(base_folder, use_kl_loss=use_kl_loss, kl_loss_coef=0.05)
+    fit(resumed, tmp_path / "resumed", max_steps=4, ckpt_path=str(ckpt))
+    for (name, a), (_, b) in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    moved = [n for n, p in straight.policy.named_parameters() if ".lora_B." in n and p.abs().max() > 0]
+    assert moved  # the adapters learned something (B starts at zero)
+
+
+def test_both_exports_load_the_way_users_load_them(base_folder, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from gspo_lightning.run.export import export_checkpoint
+
+    module = make_module(base_folder)
+    fit(module, tmp_path, max_steps=2, enable_checkpointing=True)
+    module.policy.eval()
+    expected = logits(module.policy, IDS)
+    hf_model = next(Path(tmp_path).rglob("hf_model"))
+    merged = AutoModelForCausalLM.from_pretrained(hf_model)
+    assert not any("lora" in n or "base_layer" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(logits(merged, IDS), expected, rtol=1e-5, atol=1e-5)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder), hf_model / "adapter")
+    torch.testing.assert_close(logits(adapted, IDS), expected, rtol=1e-5, atol=1e-5)
+    # the same two from the checkpoint (python -m gspo_lightning.run.export)
+    out = export_checkpoint(next(Path(tmp_path).rglob("*.ckpt")), tmp_path / "from_ckpt")
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out), IDS), expected, rtol=1e-5, atol=1e-5)
+    assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("engine", [HFEngine, lambda: HFCopyEngine(dtype="float32")])
+def test_engines_sample_from_the_adapted_policy(base_folder, tmp_path, engine):
+    """The engine-vs-trainer gap of every step stays at float32 level: a rollout from the base
+    model (adapters that never reached the engine) would show as a gap of the adapters' size."""
+
+    class Gaps(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.seen.append(float(trainer.callback_metrics["engine/seq_log_ratio_abs_max"]))
+
+    module = make_module(base_folder, engine=engine(), old_logprobs="engine", optimizer=lambda p: torch.optim.AdamW(p, lr=5e-2))
+    gaps = Gaps()
+    fit(module, tmp_path, max_steps=4, callbacks=[gaps])
+    assert len(gaps.seen) == 4 and max(gaps.seen) < 1e-4, gaps.seen
+    # the adapters moved the policy far beyond that gap: a base-model rollout would have shown
+    base, _ = load(base_folder)
+    module.policy.eval()
+    mask = torch.ones_like(IDS)
+    adapted, _ = response_logprobs(module.policy, IDS, mask, 3)
+    unadapted, _ = response_logprobs(base.eval(), IDS, mask, 3)
+    assert (adapted - unadapted).abs().mean() > 100 * max(gaps.seen)
