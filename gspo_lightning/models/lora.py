@@ -38,12 +38,15 @@ class LoRA:
         dropout: dropout on the adapters' input (0: off; the engines sample without it).
         target_modules: ``all-linear`` (every linear layer of the decoder, not the output head),
             or module names, e.g. ``[q_proj, k_proj, v_proj, o_proj]``.
+        init_seed: seed of the adapters' initial values (``lora_A``), apart from the run's
+            random state: every rank, strategy and resume starts from the same adapters.
     """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: Union[str, list[str]] = "all-linear"
+    init_seed: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -72,7 +75,9 @@ def attach_lora(policy: nn.Module, lora: LoRA) -> nn.Module:
     except ImportError as err:
         raise ImportError("lora needs the peft package: pip install 'gspo-lightning[lora]'") from err
     try:
-        policy = inject_adapter_in_model(lora.peft_config(), policy, adapter_name=ADAPTER)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.init_seed)
+            policy = inject_adapter_in_model(lora.peft_config(), policy, adapter_name=ADAPTER)
     except ValueError as err:  # peft: "Target modules ... not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, m in policy.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"lora.target_modules={lora.target_modules!r} matches no layer of this model "

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 
 from gspo_lightning.data.datamodule import PromptDataModule
+from gspo_lightning.models.lora import LoRA
 from gspo_lightning.training.module import GSPOModule
 from gspo_lightning.rollout.engine import Generation, RolloutEngine
 from gspo_lightning.rewards import RewardSpec
@@ -55,6 +56,9 @@ CASES = {
     "moe-aux-loss": dict(model_name_or_path="builtin:tiny-moe-echo", router_aux_loss_coef=0.5, micro_batch_size=4),
     # the frozen reference (sharded like the policy under FSDP2) in a real fit
     "kl-reference": dict(use_kl_loss=True, kl_loss_coef=0.5, kl_estimator="k1"),
+    # LoRA: only the adapters train (B moves first: it starts at zero); the reference is the
+    # base, the policy with its adapters off
+    "lora-kl": dict(lora=LoRA(rank=4, alpha=8), use_kl_loss=True, kl_loss_coef=0.5, kl_estimator="k1"),
 }
 
 
