@@ -144,10 +144,12 @@ def render() -> str:
     from gspo_lightning.run.command import TRAINER_DEFAULTS
     from gspo_lightning.data.datamodule import PromptDataModule
     from gspo_lightning.training.module import GSPOModule
+    from gspo_lightning.models.lora import LoRA
     from gspo_lightning.rollout import HFEngine
 
     parts = [HEADER]
     parts += section("model", GSPOModule)
+    parts += section("model.lora", LoRA)  # the block that turns LoRA on (docs/lora.md)
     parts += section("model.engine.init_args", HFEngine)  # the default engine's keys
     parts += section("data", PromptDataModule)
     parts += ["## `trainer:` (lightning.pytorch.Trainer)", "",
