@@ -166,9 +166,10 @@ def _warn_surprises(s: dict[str, Any]) -> None:
         if tau < 100:
             warnings.warn(
                 f"sapo at importance_sampling={s['importance_sampling']} with a gate temperature of {tau:g}: sequence "
-                f"ratios stay within ~1e-3 of 1, where the gate passes all of the gradient (its weight falls to 1/2 at "
-                f"|tau (s - 1)| = 1.76), so this is sequence-level policy gradient without a trust region. A gate that "
-                f"acts where GSPO's 4e-4 clip does needs tau of several thousand (docs/algorithm.md)",
+                f"ratios usually stay within ~1e-3 of 1 (GSPO clips at 3e-4 / 4e-4), where the gate passes nearly all of "
+                f"the gradient (its weight 4 g (1 - g) is 1/2 only at |tau (s - 1)| = 1.76): sequence-level policy "
+                f"gradient without a trust region. A gate acting where GSPO's clip does needs tau of several thousand "
+                f"(docs/algorithm.md)",
                 stacklevel=4,
             )
     if s["importance_sampling"] != "token" and loss_type == "ppo":
