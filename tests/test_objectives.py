@@ -478,3 +478,63 @@ def test_default_clip_ranges_by_objective():
     assert clip_range("token", None, None, "ppo") == (0.2, 0.27)
     assert clip_range("seq", None, None, "gmpo") == (0.4, 0.4)
     assert clip_range("token", None, 5.0, "cispo") == (1.0, 5.0)
+
+
+# --------------------------------------------------------------------------------------
+# the fit path: `gspo fit --config configs/quickstart.yaml --model.policy_loss_type=...`
+# --------------------------------------------------------------------------------------
+
+# the metric each objective adds to the logs, beside loss/policy and the ratio's
+OWN_METRIC = {"ppo": "loss/clip_frac", "sapo": "loss/gate_saturated_frac", "cispo": "loss/clip_frac", "gmpo": "loss/clip_frac"}
+
+
+@pytest.mark.parametrize("loss_type", NEW)
+def test_each_objective_trains_through_gspo_fit(tmp_path, loss_type):
+    """Two rollout steps of the quickstart (4 optimizer steps each): finite losses, the
+    objective's metrics logged, and the weights moved between the two steps' checkpoints."""
+    import csv
+    from pathlib import Path
+
+    from gspo_lightning.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sapo at the sequence level says its gate is wide open: known here
+        main(["fit", "--config", str(root / "configs/quickstart.yaml"), f"--model.policy_loss_type={loss_type}",
+              "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+              "--trainer.enable_progress_bar=false", "--model.export_on_fit_end=false",
+              f"--trainer.default_root_dir={tmp_path}", f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
+              "--checkpoint.every_n_train_steps=1", "--checkpoint.save_top_k=-1"])
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get("loss/policy")]
+    assert len(rows) == 2
+    for row in rows:
+        assert math.isfinite(float(row["loss/policy"])) and math.isfinite(float(row["grad_norm"]))
+        assert 0.0 <= float(row[OWN_METRIC[loss_type]]) <= 1.0
+        assert float(row["policy_version"]) in (4.0, 8.0)
+    if loss_type == "sapo":
+        assert 0.0 < float(rows[-1]["loss/gate_weight_mean"]) <= 1.0
+    first, second = (torch.load(next((tmp_path / "ckpt").glob(f"*step={n}.ckpt")), weights_only=True)["state_dict"]
+                     for n in (1, 2))
+    moved = max((second[k] - first[k]).abs().max().item() for k in first if k.startswith("policy."))
+    assert moved > 1e-4, "the second step left the weights where they were"
+
+
+@pytest.mark.slow
+def test_the_quickstart_learns_with_token_level_sapo(tmp_path):
+    """The paper's SAPO (token level, temperatures 1.0 / 1.05) on the quickstart: from 0 held-out
+    accuracy to (measured, seed 0) 1.0 after 50 rollout steps; GSPO's clip reaches 0.89 there."""
+    import csv
+    import json
+    from pathlib import Path
+
+    from gspo_lightning.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    main(["fit", "--config", str(root / "configs/quickstart.yaml"), "--model.policy_loss_type=sapo",
+          "--model.importance_sampling=token", "--trainer.max_steps=50", "--trainer.enable_progress_bar=false",
+          "--model.export_on_fit_end=false", f"--trainer.default_root_dir={tmp_path}"])
+    run = tmp_path / "csv" / "version_0"
+    evals = [json.loads(line) for line in (run / "eval_results.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == 50 and evals[-1]["val/accuracy"] >= 0.75, evals
+    rewards = [float(r["reward/mean"]) for r in csv.DictReader(open(run / "metrics.csv")) if r.get("reward/mean")]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.3, rewards
