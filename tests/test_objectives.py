@@ -437,7 +437,6 @@ def module_settings(**overrides):
     (dict(policy_loss_type="cispo", sapo_tau_neg=2.0), "sapo_tau_neg is SAPO's gate temperature"),
     (dict(policy_loss_type="sapo", clip_high=0.2), "clip_high sets a clip range, and sapo has none"),
     (dict(policy_loss_type="gmpo", dual_clip_loss=True), "dual_clip_loss bounds PPO's clipped surrogate"),
-    (dict(policy_loss_type="sapo", clip_budget=True), "clip_budget attributes PPO's clip"),
     (dict(policy_loss_type="gmpo", importance_sampling="token"), "gmpo's ratio is the geometric mean"),
     (dict(policy_loss_type="gmpo", add_token_level_kl=True, kl_coef=0.1), "turn add_token_level_kl off"),
 ])
@@ -453,6 +452,7 @@ def test_config_rejects_bad_combinations(overrides, message):
     dict(policy_loss_type="cispo", clip_low=1.0, clip_high=4.0),  # no lower bound: clip_low >= 1 is fine here
     dict(policy_loss_type="cispo", importance_sampling="seq-token"),
     dict(policy_loss_type="gmpo", clip_low=0.4, clip_high=0.4, loss_agg_mode="token-mean"),
+    dict(policy_loss_type="sapo", importance_sampling="token", clip_budget=True),
 ])
 def test_config_accepts_good_combinations_silently(overrides):
     with warnings.catch_warnings():
@@ -478,6 +478,47 @@ def test_default_clip_ranges_by_objective():
     assert clip_range("token", None, None, "ppo") == (0.2, 0.27)
     assert clip_range("seq", None, None, "gmpo") == (0.4, 0.4)
     assert clip_range("token", None, 5.0, "cispo") == (1.0, 5.0)
+
+
+# --------------------------------------------------------------------------------------
+# the clip budget splits each objective's flags by cause
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type, level", [("ppo", lv) for lv in LEVELS] + PAIRS)
+def test_the_clip_budget_counts_what_the_loss_flags(loss_type, level):
+    """In bypass (the clip sees numerics + staleness + update), ``clip_budget/clip_frac`` is the
+    loss's own ``clip_frac`` (``gate_saturated_frac`` for sapo), and the causes partition it."""
+    from gspo_lightning.objective.clip_budget import PARTS, attribute_clips, split_log_ratio
+
+    g = torch.Generator().manual_seed(61)
+    mask = make_mask((5, 1, 7, 3, 0, 6, 4), 8).bool()
+    b = -torch.rand(7, 8, generator=g, dtype=DT) * 3 - 0.1
+    o_b, o, lp = (b + torch.randn(7, 8, generator=g, dtype=DT) * 0.15 * k for k in (1, 2, 3))
+    adv = torch.randn(7, generator=g, dtype=DT)
+    kw = dict(clip_low=0.1, clip_high=0.12) if level != "token" and loss_type == "ppo" else dict(clip_low=0.2, clip_high=0.25)
+    taus = (3.0, 4.0) if level == "token" else (6.0, 8.0)
+    if loss_type == "sapo":
+        kw = dict(sapo_tau_pos=taus[0], sapo_tau_neg=taus[1])
+    _, m = policy_loss(lp, b, adv, mask, importance_sampling=level, policy_loss_type=loss_type, **kw)
+    counts = attribute_clips(split_log_ratio(lp, o, b, o_b), PARTS, mask, adv, level=level, policy_loss_type=loss_type,
+                             clip_low=kw.get("clip_low", 0.0), clip_high=kw.get("clip_high", 0.0), sapo_tau=taus)
+    flagged = m["gate_saturated_frac" if loss_type == "sapo" else "clip_frac"]
+    assert 0 < flagged < 1
+    assert_close(counts["clipped"] / counts["units"], flagged.to(DT).float(), rtol=1e-6, atol=1e-7, check_dtype=False)
+    assert_close(sum(counts[p] for p in PARTS), counts["clipped"], check_dtype=False)
+
+
+def test_sapo_budget_bounds_are_the_gates_half_weight_points():
+    """tau 10: the gate's weight 4 g (1 - g) is 1/2 at w = 1 +- 0.17627 (|10 (w - 1)| = 1.7627);
+    tau 1: at w = 2.7627 above, and never below (w > 0)."""
+    from gspo_lightning.objective.clip_budget import attribute_clips
+
+    w = torch.tensor([[1.17], [1.18], [0.83], [0.82], [2.76], [2.77], [0.01]], dtype=DT)
+    adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0], dtype=DT)
+    counts = attribute_clips({"update": torch.log(w)}, ("update",), torch.ones(7, 1, dtype=torch.bool), adv, level="token",
+                             clip_low=0.0, clip_high=0.0, policy_loss_type="sapo", sapo_tau=(1.0, 10.0))
+    assert float(counts["clipped"]) == 3.0  # 1.18, 0.82 (tau 10) and 2.77 (tau 1)
 
 
 # --------------------------------------------------------------------------------------

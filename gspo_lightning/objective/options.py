@@ -146,9 +146,6 @@ def _objective_problems(s: dict[str, Any]) -> list[str]:
     if loss_type != "ppo" and s["dual_clip_loss"]:
         problems.append(f"dual_clip_loss bounds PPO's clipped surrogate; policy_loss_type={loss_type} has none: "
                         f"set dual_clip_loss: false or policy_loss_type=ppo")
-    if loss_type != "ppo" and s.get("clip_budget"):
-        problems.append(f"clip_budget attributes PPO's clip by cause; policy_loss_type={loss_type} clips otherwise: "
-                        f"set clip_budget: false or policy_loss_type=ppo")
     if loss_type == "gmpo" and s["importance_sampling"] != "seq":
         problems.append(f"gmpo's ratio is the geometric mean of the (clipped) token ratios, a sequence ratio: set "
                         f"importance_sampling: seq (got {s['importance_sampling']})")

@@ -164,7 +164,7 @@ class GSPOModule(L.LightningModule):
             policy (``offpolicy.OffPolicyCorrection``: ``mode`` decoupled / bypass, ``level``
             seq / token / seq-product, ``method`` truncate / mask, thresholds); ``null``: off.
         clip_budget: log which part of the clipped log-ratio is engine numerics, staleness or
-            the update (``clip_budget/*``). Off by default: with ``old_logprobs: engine`` it costs
+            the update (``clip_budget/*``; for ``sapo``, of the saturated gate's). Off by default: with ``old_logprobs: engine`` it costs
             one extra no-grad pass per rollout (the trainer's log-probs to split against).
         export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
             to ``<log dir>/hf_model`` when ``fit`` ends.
@@ -255,7 +255,8 @@ class GSPOModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.clip_low, self.clip_high = clip_range(importance_sampling, clip_low, clip_high, policy_loss_type)
-        self.clip_budget = ClipBudget(importance_sampling, self.clip_low, self.clip_high) if clip_budget else None
+        self.clip_budget = ClipBudget(importance_sampling, self.clip_low, self.clip_high, policy_loss_type=policy_loss_type,
+                                      sapo_tau=(sapo_tau_pos, sapo_tau_neg)) if clip_budget else None
         self.metric_hooks: list[MetricHook] = list(metric_hooks or []) + ([self.clip_budget] if clip_budget else [])
         self.automatic_optimization = False
 
