@@ -231,9 +231,9 @@ def policy_loss(
     advantages = torch.where(valid, advantages.to(logprobs.dtype), zeros)
 
     log_ratio = log_importance_ratio(logprobs, old_logprobs, mask, importance_sampling)
-    unit = Units(valid, importance_sampling)
+    units = Units(valid, importance_sampling)
     settings = ObjectiveSettings(clip_low, clip_high, dual_clip, sapo_tau_pos, sapo_tau_neg)
-    token_loss, metrics = OBJECTIVES[policy_loss_type](logprobs, old_logprobs, log_ratio, advantages, unit, settings)
+    token_loss, metrics = OBJECTIVES[policy_loss_type](logprobs, old_logprobs, log_ratio, advantages, units, settings)
     if is_weights is not None:
         weights = is_weights.detach().to(logprobs.dtype)
         token_loss = token_loss * (weights[:, None] if weights.dim() == 1 else torch.where(valid, weights, zeros))
