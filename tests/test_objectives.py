@@ -546,7 +546,8 @@ def test_each_objective_trains_through_gspo_fit(tmp_path, loss_type):
               "--trainer.enable_progress_bar=false", "--model.export_on_fit_end=false",
               f"--trainer.default_root_dir={tmp_path}", f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
               "--checkpoint.every_n_train_steps=1", "--checkpoint.save_top_k=-1"])
-    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get("loss/policy")]
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("loss/policy")]
     assert len(rows) == 2
     for row in rows:
         assert math.isfinite(float(row["loss/policy"])) and math.isfinite(float(row["grad_norm"]))
@@ -577,5 +578,25 @@ def test_the_quickstart_learns_with_token_level_sapo(tmp_path):
     run = tmp_path / "csv" / "version_0"
     evals = [json.loads(line) for line in (run / "eval_results.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == 50 and evals[-1]["val/accuracy"] >= 0.75, evals
-    rewards = [float(r["reward/mean"]) for r in csv.DictReader(open(run / "metrics.csv")) if r.get("reward/mean")]
+    with open(run / "metrics.csv") as handle:
+        rewards = [float(r["reward/mean"]) for r in csv.DictReader(handle) if r.get("reward/mean")]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.3, rewards
+
+
+def test_every_staleness_arm_of_the_experiment_is_a_valid_config(tmp_path):
+    """experiments/async_staleness.py: each method x correction makes a config the module accepts
+    (SAPO's sequence-level arm with a gate sized to sequence ratios, so without the warning)."""
+    import yaml
+
+    from tests.helpers import load_script
+
+    script = load_script("experiments/async_staleness.py")
+    for method in script.METHODS:
+        for correction in script.CORRECTIONS:
+            path = script.config(tmp_path / f"{method}-{correction}", seed=0, steps=1, k=1, engine="copy", method=method,
+                                 correction=correction)
+            model = yaml.safe_load(path.read_text())["model"]
+            keys = module_settings()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                validate_gspo_settings(module_settings(**{k: v for k, v in model.items() if k in keys}))
