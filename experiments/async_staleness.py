@@ -16,12 +16,14 @@ from random weights, 16 prompts x 8 responses of 6 tokens, 4 mini-batches per ro
   same HF sampling loop in a rollout server process the run starts); and the default
   ``HFEngine`` (no copy) at ``k = 0`` for reference. Arms run one after another per seed, so the machine
   load is shared alike; the ratio within a seed is the number to read.
-* ``staleness``: GSPO (sequence ratios, clip 3e-4 / 4e-4) and GRPO (token ratios, 0.2 / 0.27)
-  at ``k = 0, 1, 2, 4``, each ``none`` (recomputed old policy, no weight: the staleness is
-  silently ignored), ``decoupled`` (recomputed old policy, truncated importance weight at the
-  level of the loss: ``seq`` geometric mean for GSPO, ``token`` for GRPO) and ``bypass``
-  (the engine's log-probs as the old policy: the clip sees numerics + staleness + update):
-  final reward and the clip fraction by cause (``clip_budget/*``).
+* ``staleness``: the objectives of ``METHODS`` (GSPO: sequence ratios, clip 3e-4 / 4e-4; GRPO:
+  token ratios, 0.2 / 0.27; SAPO's soft gate at token and at sequence level; CISPO; GMPO;
+  ``--methods`` picks some) at ``k = 0, 1, 2, 4``, each ``none`` (recomputed old policy, no
+  weight: the staleness is silently ignored), ``decoupled`` (recomputed old policy, truncated
+  importance weight at the level of the loss: ``seq`` geometric mean for the sequence-level
+  methods, ``token`` for the others) and ``bypass`` (the engine's log-probs as the old policy:
+  the clip sees numerics + staleness + update): final reward and the clip fraction by cause
+  (``clip_budget/*``; for SAPO the saturated gate's, docs/async.md).
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = {
     "GSPO": dict(importance_sampling="seq", clip_low=3e-4, clip_high=4e-4),
     "GRPO": dict(importance_sampling="token", clip_low=0.2, clip_high=0.27),
+    # the paper's SAPO: token ratios, gate temperatures 1.0 / 1.05
+    "SAPO-token": dict(importance_sampling="token", policy_loss_type="sapo"),
+    # SAPO on GSPO's sequence ratio, its gate sized to GSPO's range: the weight is 1/2 at s = 1 +- 4e-4
+    # (|tau (s - 1)| = 1.763); the paper's tau = 1 would leave it open at sequence scale (docs/algorithm.md)
+    "SAPO-seq": dict(importance_sampling="seq", policy_loss_type="sapo", sapo_tau_pos=4400.0, sapo_tau_neg=4620.0),
+    # CISPO at token level, weights in [0, 5] (ScaleRL's, as SkyRL's defaults)
+    "CISPO": dict(importance_sampling="token", policy_loss_type="cispo", clip_low=1.0, clip_high=4.0),
+    "GMPO": dict(importance_sampling="seq", policy_loss_type="gmpo", clip_low=0.4, clip_high=0.4),
 }
 CORRECTIONS = ("none", "decoupled", "bypass")
 SETUP = {
@@ -84,7 +94,8 @@ def config(folder: Path, *, seed: int, steps: int, k: int, engine: str, method: 
     if ENGINES[engine] is not None:
         model["engine"] = ENGINES[engine]
     if correction == "decoupled":
-        model["off_policy"] = {"mode": "decoupled", "level": "seq" if method == "GSPO" else "token", "method": "truncate"}
+        level = "token" if METHODS[method]["importance_sampling"] == "token" else "seq"
+        model["off_policy"] = {"mode": "decoupled", "level": level, "method": "truncate"}
     if correction == "bypass":
         model["old_logprobs"] = "engine"
     cfg = {
@@ -150,11 +161,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="every arm, 2 steps, 1 seed")
     parser.add_argument("--only", choices=list(SETUP), default=None)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="the staleness experiment's methods (default: all)")
     parser.add_argument("--reuse", type=Path, default=None,
                         help="a previous run's work folder: read the finished runs' logs instead of running them again")
     args = parser.parse_args(argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"stamp": stamp(argv), "setup": SETUP, "speed": {}, "staleness": {}}
+    summary = {"stamp": stamp(argv), "setup": SETUP, "methods": {m: METHODS[m] for m in args.methods}, "speed": {},
+               "staleness": {}}
     previous = args.out / "summary.json"
     if args.reuse and previous.exists():  # the runs were made then: keep that stamp
         summary["stamp"] = {**json.loads(previous.read_text())["stamp"], "summarized_by": "python " + " ".join(argv)}
@@ -174,7 +188,7 @@ def main(argv: list[str]) -> None:
                     summary["speed"].setdefault(label, {})[seed] = result
                     print(f"speed {label} seed {seed}: {result['step_s']:.3f} s/step, reward {result['final_reward']:.3f}", flush=True)
             else:
-                for method in METHODS:
+                for method in args.methods:
                     for k in setup["ks"]:
                         for correction in CORRECTIONS:
                             label = f"{method} k={k} {correction}"
@@ -226,7 +240,8 @@ def readme(summary: dict) -> str:
                   "(`bench_async.json` here, the table in [docs/async.md](../../async.md#measured)).", ""]
     if summary["staleness"]:
         lines += ["## Staleness: final reward and clip fraction by cause (means over seeds)", "",
-                  "`clip` is the clip fraction (sequences for GSPO, tokens for GRPO); numerics / staleness / update are "
+                  "`clip` is the clip fraction (sequences at sequence level, tokens at token level; for SAPO the share of "
+                  "units whose gate is saturated, for GMPO of clipped tokens); numerics / staleness / update are "
                   "its partition by dominant cause (docs/async.md); `ess` the normalized effective sample size of the "
                   "correction's weights.", "",
                   "| arm | final reward | clip | numerics | staleness | update | staleness alone | ess |", "|---|---|---|---|---|---|---|---|"]

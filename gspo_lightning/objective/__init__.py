@@ -1,5 +1,6 @@
-"""The objective: pure tensor functions, no Lightning, no model. Losses (GSPO, GSPO-token, GRPO),
-advantages, off-policy correction, the clip budget, the options they accept, pass@k."""
+"""The objective: pure tensor functions, no Lightning, no model. Losses (GSPO, GSPO-token, GRPO;
+per unit the PPO clip, SAPO, CISPO or GMPO), advantages, off-policy correction, the clip budget,
+the options they accept, pass@k."""
 
 from gspo_lightning._imports import lazy_exports
 

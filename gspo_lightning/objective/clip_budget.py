@@ -27,6 +27,13 @@ clip fraction. Separately, ``clip_budget/<part>_alone`` counts the units whose p
 is outside the range on the side that clipped: numerics alone clipping means the range is
 narrower than the engine's precision.
 
+The other objectives (``policy_loss_type``, ``objective/loss.py``) are split the same way, each
+unit flagged as its objective flags it in ``loss/``: ``cispo``, a unit whose weight was bounded
+(beyond either bound, whatever the sign of the advantage); ``gmpo``, each *token* whose
+log-ratio is beyond ``clip_high`` (positive advantage) or ``-clip_low`` (negative), a response
+counting its share of such tokens; ``sapo``, a unit whose gate passes less than half of the
+gradient (``|tau (w - 1)| > 1.763``, ``tau`` by the sign of the advantage, either side).
+
 ``behaviour`` (numerics and staleness together, the part an off-policy weight corrects) is
 always reported too. When ``o_b`` is unknown (a stale rollout whose producer kept no trainer
 log-probs), numerics and staleness cannot be told apart: they are NaN, ``behaviour`` is not.
@@ -35,12 +42,16 @@ log-probs), numerics and staleness cannot be told apart: they are NaN, ``behavio
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.loss import masked_sequence_mean
+from gspo_lightning.objective.loss import SAPO_SATURATED_WEIGHT, masked_sequence_mean
+from gspo_lightning.objective.options import DEFAULT_SAPO_TAU
+
+# SAPO's gate weight 4 g (1 - g) = sech^2(z / 2), z = tau (w - 1): below the saturation weight where |z| > this
+SAPO_SATURATED_Z = 2.0 * math.acosh(1.0 / math.sqrt(SAPO_SATURATED_WEIGHT))
 
 PARTS = ("numerics", "staleness", "update")
 
@@ -62,10 +73,13 @@ def attribute_clips(
     level: str,
     clip_low: float,
     clip_high: float,
+    policy_loss_type: str = "ppo",
+    sapo_tau: tuple[float, float] = DEFAULT_SAPO_TAU,
 ) -> dict[str, Tensor]:
     """Counts over units: ``units``, ``clipped``, ``<part>`` (clipped, caused by the part)
     and ``<part>_alone`` (the part alone outside the range on the clipped side), for the parts
-    named in ``in_clip`` (the others are outside the ratio and cannot clip).
+    named in ``in_clip`` (the others are outside the ratio and cannot clip). With ``gmpo`` the
+    flags are per token and a response adds its share of flagged tokens.
 
     ``parts`` are ``(B, T)`` per-token log-ratio parts; ``advantages`` ``(B,)`` or ``(B, T)``.
     """
@@ -74,27 +88,48 @@ def attribute_clips(
     tokens = {name: torch.where(valid, parts[name].float(), zeros) for name in in_clip}
     adv = advantages.float() if advantages.dim() == 2 else advantages.float()[:, None].expand_as(zeros)
     adv = torch.where(valid, adv, zeros)
+    # where: the entries flags live on (tokens or responses); weight: what a flag adds to the counts
     if level == "token":
-        units = valid
-        values = tokens
-        unit_adv = adv
+        units = where = valid
+        weight = valid.float()
+        values, unit_adv = tokens, adv
+    elif policy_loss_type == "gmpo":  # token flags, a response adding its share of them
+        units, where = valid.any(-1), valid
+        weight = torch.where(valid, 1.0 / valid.sum(-1, keepdim=True).clamp(min=1), zeros)
+        values, unit_adv = tokens, masked_sequence_mean(adv, valid)[:, None].expand_as(zeros)
     else:  # a response's part is the mean of its token parts, as the sequence log-ratio is
-        units = valid.any(-1)
+        units = where = valid.any(-1)
+        weight = units.float()
         values = {name: masked_sequence_mean(value, valid) for name, value in tokens.items()}
         unit_adv = masked_sequence_mean(adv, valid)
     stacked = torch.stack([values[name] for name in in_clip])  # (parts, units...)
     total = stacked.sum(0)
-    upper, lower = math.log1p(clip_high), math.log1p(-clip_low)
-    high = (total > upper) & (unit_adv > 0) & units
-    low = (total < lower) & (unit_adv < 0) & units
+    upper, lower = _log_bounds(policy_loss_type, clip_low, clip_high, unit_adv, sapo_tau)
+    high = (total > upper) & where
+    low = (total < lower) & where
+    if policy_loss_type in ("ppo", "gmpo"):  # a trust region: only the side the advantage pushes towards
+        high, low = high & (unit_adv > 0), low & (unit_adv < 0)
     # the part pushing furthest towards the violated bound (argmax keeps the first of ties)
     cause = torch.where(high, stacked.argmax(0), stacked.argmin(0))
-    out = {"units": units.sum().float(), "clipped": (high | low).sum().float()}
+    count = lambda flags: (flags.float() * weight).sum()  # noqa: E731
+    out = {"units": units.sum().float(), "clipped": count(high | low)}
     for index, name in enumerate(in_clip):
         value = values[name]
-        out[name] = ((high | low) & (cause == index)).sum().float()
-        out[f"{name}_alone"] = ((high & (value > upper)) | (low & (value < lower))).sum().float()
+        out[name] = count((high | low) & (cause == index))
+        out[f"{name}_alone"] = count((high & (value > upper)) | (low & (value < lower)))
     return out
+
+
+def _log_bounds(policy_loss_type: str, clip_low: float, clip_high: float, unit_adv: Tensor,
+                sapo_tau: tuple[float, float]) -> tuple[Union[float, Tensor], Union[float, Tensor]]:
+    """The log-ratio bounds beyond which a unit is flagged (``-inf``: no lower bound)."""
+    if policy_loss_type == "gmpo":  # already in log space
+        return clip_high, -clip_low
+    if policy_loss_type == "sapo":  # the half-weight points, 1 +- 1.763 / tau
+        half = SAPO_SATURATED_Z / torch.where(unit_adv > 0, float(sapo_tau[0]), float(sapo_tau[1]))
+        lower = torch.where(half < 1, torch.log1p(-half.clamp(max=1 - 1e-7)), torch.full_like(half, -math.inf))
+        return torch.log1p(half), lower
+    return math.log1p(clip_high), math.log1p(-clip_low) if clip_low < 1 else -math.inf
 
 
 def clip_budget_metrics(counts: dict[str, Tensor], all_parts: tuple[str, ...]) -> dict[str, tuple[Tensor, Tensor]]:
@@ -121,8 +156,11 @@ class ClipBudget:
     rollout): the micro-batch's own old log-probs are then ``o``.
     """
 
-    def __init__(self, level: str, clip_low: float, clip_high: float):
+    def __init__(self, level: str, clip_low: float, clip_high: float, *, policy_loss_type: str = "ppo",
+                 sapo_tau: tuple[Optional[float], Optional[float]] = DEFAULT_SAPO_TAU):
         self.level, self.clip_low, self.clip_high = level, clip_low, clip_high
+        self.policy_loss_type = policy_loss_type
+        self.sapo_tau = tuple(d if t is None else t for t, d in zip(sapo_tau, DEFAULT_SAPO_TAU))
         self.old = self.behaviour = self.behaviour_old = None
         self.old_is_behaviour = self.same_weights = False
         self.active = False
@@ -144,7 +182,8 @@ class ClipBudget:
         def counts(parts: dict[str, Tensor]) -> dict[str, Tensor]:
             in_clip = tuple(parts) if self.old_is_behaviour else ("update",)
             return attribute_clips(parts, in_clip, micro.mask, micro.advantages, level=self.level,
-                                   clip_low=self.clip_low, clip_high=self.clip_high)
+                                   clip_low=self.clip_low, clip_high=self.clip_high,
+                                   policy_loss_type=self.policy_loss_type, sapo_tau=self.sapo_tau)
 
         # every step logs the same names (a logger repeats a name's last value on steps that
         # lack it): behaviour = numerics and staleness together, always; the two apart, or NaN

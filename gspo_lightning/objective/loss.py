@@ -5,25 +5,32 @@ response positions, ``mask`` marking the real tokens. Nothing here knows about m
 ranks or Lightning, so every formula can be tested against a hand computation.
 
 The formulas are those of ``docs/algorithm.md`` (importance ratio at token, sequence or
-sequence-token level; PPO-style clipping with an optional dual clip; an optional KL term
-to a reference model; four ways to aggregate token losses into one number).
+sequence-token level; the per-unit objective, ``policy_loss_type``: PPO-style clipping with an
+optional dual clip, SAPO's soft gate, CISPO's clipped stop-gradient weight or GMPO's geometric
+mean; an optional KL term to a reference model; five ways to aggregate token losses into one number).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.options import ImportanceSampling, KLEstimator, LossAggMode, check_choice, choices
+from gspo_lightning.objective.options import (
+    DEFAULT_SAPO_TAU, ImportanceSampling, KLEstimator, LossAggMode, PolicyLossType, check_choice, choices,
+)
 
 IMPORTANCE_SAMPLING_LEVELS = choices(ImportanceSampling)
 LOSS_AGG_MODES = choices(LossAggMode)
 KL_ESTIMATORS = choices(KLEstimator)
+POLICY_LOSS_TYPES = choices(PolicyLossType)
 
 # exp() of a log-ratio above this overflows float32 gradients long before it means anything.
 MAX_LOG_RATIO = 20.0
+# SAPO: a unit is "saturated" where the gate passes less than half of the on-policy gradient
+SAPO_SATURATED_WEIGHT = 0.5
 # k3 = exp(u) - u - 1 explodes for large u; verl and ROLL clamp it to 10 as well (TRL does not).
 MAX_KL_VALUE = 10.0
 
@@ -143,12 +150,26 @@ def policy_loss(
     num_tokens: Count = None,
     horizon: Optional[int] = None,
     is_weights: Optional[Tensor] = None,
+    policy_loss_type: str = "ppo",
+    sapo_tau_pos: float = DEFAULT_SAPO_TAU[0],
+    sapo_tau_neg: float = DEFAULT_SAPO_TAU[1],
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The clipped surrogate loss (to minimize) and its diagnostics.
+    """The policy loss (to minimize) and its diagnostics.
 
-    Per token: ``obj = min(w A, clip(w, 1 - clip_low, 1 + clip_high) A)``, with
-    ``obj = max(obj, dual_clip * A)`` where ``A < 0`` if ``dual_clip`` is set; the token
-    loss is ``-obj + kl_coef * KL`` and is aggregated by ``loss_agg_mode``.
+    Per unit (a token, or a response at the sequence levels, whose ratio ``w`` is on each of its
+    tokens), by ``policy_loss_type`` (``docs/algorithm.md``):
+
+    - ``ppo``: ``-min(w A, clip(w, 1 - clip_low, 1 + clip_high) A)``, with the objective raised
+      to ``dual_clip * A`` where ``A < 0`` if ``dual_clip`` is set;
+    - ``sapo``: ``-f(w) A`` with ``f(w) = sigmoid(tau (w - 1)) * 4 / tau``, ``tau = sapo_tau_pos``
+      where ``A > 0`` else ``sapo_tau_neg``: a soft gate in place of the clip;
+    - ``cispo``: ``-sg(clip(w, max(0, 1 - clip_low), 1 + clip_high)) A lp``: the clipped weight
+      carries no gradient, so the clip bounds each token's weight and zeroes none;
+    - ``gmpo`` (``importance_sampling="seq"`` only): ``-A_i exp((1/L_i) sum_t d'_t)``, each
+      token log-ratio ``d_t`` clipped to ``[-clip_low, clip_high]`` on the side the sign of the
+      sequence advantage ``A_i`` (the mean of its tokens' advantages) makes binding.
+
+    Each token's loss, plus ``kl_coef * KL``, is aggregated by ``loss_agg_mode``.
 
     Args:
         logprobs: ``(B, T)`` log-probs of the sampled tokens under the current policy.
@@ -163,17 +184,29 @@ def policy_loss(
         num_seqs, num_tokens, horizon: global denominators, see :func:`aggregate_loss`.
         is_weights: ``(B,)`` or ``(B, T)`` off-policy importance weights (``objective/offpolicy.py``,
             no gradient) multiplying each token's surrogate (not the KL term); ``None``: 1.
+        policy_loss_type: ``"ppo"`` (default), ``"sapo"``, ``"cispo"`` or ``"gmpo"``, see above.
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0; the paper: 1.0 and 1.05).
 
     Returns:
-        ``(loss, metrics)`` where metrics are detached scalars of this batch: clip
-        fractions (low/high/total, and dual), ratio mean/min/max, and ``kl`` when a
-        reference is given. For sequence levels, clip fractions and ratios count sequences.
+        ``(loss, metrics)`` where metrics are detached scalars of this batch: the ratio's
+        mean/min/max, ``kl`` when a reference is given, and the objective's own: clip fractions
+        (low/high/total; ``dual_clip_frac`` for ppo) for ppo, cispo and gmpo, the gate's
+        ``gate_weight_mean`` and ``gate_saturated_frac`` (low/high/total) for sapo. At the
+        sequence levels they count sequences (a sequence's share of flagged tokens, for gmpo).
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (3 is usual) or None, got {dual_clip}")
     check_choice("kl_estimator", kl_estimator, KLEstimator)
+    check_choice("policy_loss_type", policy_loss_type, PolicyLossType)
+    if policy_loss_type == "sapo" and not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
+        raise ValueError(f"sapo_tau_pos and sapo_tau_neg must be > 0 (the paper: 1.0, 1.05), got {sapo_tau_pos}, {sapo_tau_neg}")
+    if dual_clip is not None and policy_loss_type != "ppo":
+        raise ValueError(f"dual_clip bounds PPO's clipped surrogate; policy_loss_type={policy_loss_type!r} has none: pass dual_clip=None")
+    if policy_loss_type == "gmpo" and importance_sampling != "seq":
+        raise ValueError(f"gmpo's ratio is the geometric mean of the clipped token ratios, a sequence ratio: "
+                         f"pass importance_sampling='seq' (got {importance_sampling!r})")
     if mask.dim() != 2 or logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
@@ -198,14 +231,9 @@ def policy_loss(
     advantages = torch.where(valid, advantages.to(logprobs.dtype), zeros)
 
     log_ratio = log_importance_ratio(logprobs, old_logprobs, mask, importance_sampling)
-    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    dual_active = torch.zeros_like(valid)
-    if dual_clip is not None:
-        dual_active = (advantages < 0) & (surrogate < dual_clip * advantages) & valid
-        surrogate = torch.where(dual_active, dual_clip * advantages, surrogate)
-    token_loss = -surrogate
+    units = Units(valid, importance_sampling)
+    settings = ObjectiveSettings(clip_low, clip_high, dual_clip, sapo_tau_pos, sapo_tau_neg)
+    token_loss, metrics = OBJECTIVES[policy_loss_type](logprobs, old_logprobs, log_ratio, advantages, units, settings)
     if is_weights is not None:
         weights = is_weights.detach().to(logprobs.dtype)
         token_loss = token_loss * (weights[:, None] if weights.dim() == 1 else torch.where(valid, weights, zeros))
@@ -219,54 +247,126 @@ def policy_loss(
     loss = aggregate_loss(
         token_loss, mask, loss_agg_mode, num_seqs=num_seqs, num_tokens=num_tokens, horizon=horizon
     )
-    metrics = _clip_metrics(ratio.detach(), advantages.detach(), valid, dual_active, importance_sampling, clip_low, clip_high)
     if kl is not None:
         metrics["kl"] = kl.detach().sum() / valid.sum().clamp(min=1)
     return loss, metrics
 
 
-def _clip_metrics(
-    ratio: Tensor,
-    advantages: Tensor,
-    valid: Tensor,
-    dual_active: Tensor,
-    importance_sampling: str,
-    clip_low: float,
-    clip_high: float,
-) -> dict[str, Tensor]:
-    """Where the clip is *active* (its branch sets the gradient to zero), per token, then
-    averaged over tokens (``token``) or over sequences (sequence levels)."""
-    low = (ratio < 1.0 - clip_low) & (advantages < 0) & valid
-    high = (ratio > 1.0 + clip_high) & (advantages > 0) & valid
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """The knobs of the per-unit objectives (see :func:`policy_loss`)."""
 
-    if importance_sampling == "token":
-        units = valid.sum().clamp(min=1)
+    clip_low: float
+    clip_high: float
+    dual_clip: Optional[float]
+    sapo_tau_pos: float
+    sapo_tau_neg: float
 
-        def frac(flags: Tensor) -> Tensor:
-            return flags.sum() / units
 
-        ratios = ratio[valid]
-    else:
-        lengths = valid.sum(-1)
-        seq_valid = lengths > 0
-        units = seq_valid.sum().clamp(min=1)
+class Units:
+    """What the metrics count: tokens (``token``), or responses (the sequence levels), where
+    a response's flag is the share of its tokens flagged (0 or 1 when they all agree)."""
 
-        def frac(flags: Tensor) -> Tensor:
-            # share of each sequence's tokens that clip (0 or 1 with one advantage per response)
-            return masked_sequence_mean(flags, valid).sum() / units
+    def __init__(self, valid: Tensor, importance_sampling: str):
+        self.valid = valid
+        self.per_token = importance_sampling == "token"
+        self.count = valid.sum().clamp(min=1) if self.per_token else valid.any(-1).sum().clamp(min=1)
 
-        first = valid.float().argmax(-1)
-        ratios = ratio.gather(-1, first[:, None]).squeeze(-1)[seq_valid]
+    def mean(self, values: Tensor) -> Tensor:
+        """The mean over units of ``(B, T)`` per-token ``values`` (flags or numbers)."""
+        values = torch.where(self.valid, values.detach().to(torch.float32), torch.zeros((), device=values.device))
+        if self.per_token:
+            return values.sum() / self.count
+        return masked_sequence_mean(values, self.valid).sum() / self.count
 
-    if ratios.numel() == 0:
-        ratios = torch.ones(1, device=ratio.device)
-    clip_low_frac, clip_high_frac = frac(low), frac(high)
-    return {
-        "clip_frac_low": clip_low_frac,
-        "clip_frac_high": clip_high_frac,
-        "clip_frac": clip_low_frac + clip_high_frac,
-        "dual_clip_frac": frac(dual_active),
-        "ratio_mean": ratios.float().mean(),
-        "ratio_min": ratios.float().min(),
-        "ratio_max": ratios.float().max(),
-    }
+    def ratio_stats(self, ratio: Tensor) -> dict[str, Tensor]:
+        """Mean, min and max of one ratio per unit (``ratio``: ``(B, T)``, a sequence's on each token)."""
+        ratio = ratio.detach()
+        if self.per_token:
+            ratios = ratio[self.valid]
+        else:
+            first = self.valid.float().argmax(-1)
+            ratios = ratio.gather(-1, first[:, None]).squeeze(-1)[self.valid.any(-1)]
+        if ratios.numel() == 0:
+            ratios = torch.ones(1, device=ratio.device)
+        ratios = ratios.float()
+        return {"ratio_mean": ratios.mean(), "ratio_min": ratios.min(), "ratio_max": ratios.max()}
+
+
+def _fractions(units: Units, low: Tensor, high: Tensor, prefix: str = "clip_frac") -> dict[str, Tensor]:
+    low_frac, high_frac = units.mean(low & units.valid), units.mean(high & units.valid)
+    return {prefix: low_frac + high_frac, f"{prefix}_low": low_frac, f"{prefix}_high": high_frac}
+
+
+ObjectiveFn = Callable[[Tensor, Tensor, Tensor, Tensor, Units, ObjectiveSettings], tuple[Tensor, dict[str, Tensor]]]
+
+
+def ppo_objective(logprobs: Tensor, old_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, units: Units,
+                  s: ObjectiveSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """``-min(w A, clip(w) A)`` (and the dual clip). Its clip is *active* where it sets the
+    gradient to zero: above ``1 + clip_high`` with ``A > 0``, below ``1 - clip_low`` with ``A < 0``."""
+    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
+    clipped_ratio = ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    dual_active = torch.zeros_like(units.valid)
+    if s.dual_clip is not None:
+        dual_active = (advantages < 0) & (surrogate < s.dual_clip * advantages) & units.valid
+        surrogate = torch.where(dual_active, s.dual_clip * advantages, surrogate)
+    ratio, advantages = ratio.detach(), advantages.detach()
+    metrics = _fractions(units, (ratio < 1.0 - s.clip_low) & (advantages < 0), (ratio > 1.0 + s.clip_high) & (advantages > 0))
+    return -surrogate, {**metrics, "dual_clip_frac": units.mean(dual_active), **units.ratio_stats(ratio)}
+
+
+def sapo_objective(logprobs: Tensor, old_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, units: Units,
+                   s: ObjectiveSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """``-sigmoid(tau (w - 1)) * 4 / tau * A``. Its gradient is the policy gradient ``w A grad log w``
+    times ``4 g (1 - g)`` (``g`` the sigmoid): 1 on-policy, decaying smoothly as ``w`` leaves 1,
+    on both sides and whatever the sign of ``A``. ``gate_weight_mean`` is that factor's mean,
+    ``gate_saturated_frac`` the share of units where it is below :data:`SAPO_SATURATED_WEIGHT`."""
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    taus = [torch.tensor(t, dtype=ratio.dtype, device=ratio.device) for t in (s.sapo_tau_pos, s.sapo_tau_neg)]
+    tau = torch.where(advantages > 0, *taus)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    token_loss = -(gate * 4.0 / tau) * advantages
+    gate, ratio = gate.detach(), ratio.detach()
+    weight = 4.0 * gate * (1.0 - gate)
+    saturated = weight < SAPO_SATURATED_WEIGHT
+    metrics = _fractions(units, saturated & (ratio < 1.0), saturated & (ratio > 1.0), prefix="gate_saturated_frac")
+    return token_loss, {**metrics, "gate_weight_mean": units.mean(weight), **units.ratio_stats(ratio)}
+
+
+def cispo_objective(logprobs: Tensor, old_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, units: Units,
+                    s: ObjectiveSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """``-sg(clip(w, max(0, 1 - clip_low), 1 + clip_high)) A lp``: the REINFORCE gradient
+    ``A grad lp`` weighted by the bounded ratio. A unit is *clipped* where its weight was
+    bounded, whatever the sign of ``A`` (its gradient still flows)."""
+    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO)).detach()
+    weight = ratio.clamp(max(0.0, 1.0 - s.clip_low), 1.0 + s.clip_high)
+    metrics = _fractions(units, ratio < 1.0 - s.clip_low, ratio > 1.0 + s.clip_high)
+    return -weight * advantages * logprobs, {**metrics, **units.ratio_stats(ratio)}
+
+
+def gmpo_objective(logprobs: Tensor, old_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, units: Units,
+                   s: ObjectiveSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """``-A_i exp(mean_t d'_t)`` on every token of response ``i``, ``d'`` the token log-ratios
+    clipped above ``clip_high`` where ``A_i > 0`` and below ``-clip_low`` where ``A_i < 0``
+    (``sign(A) min(sign(A) d, sign(A) clamp(d))``): a clipped token adds no gradient, the others
+    ``A_i w_i / L_i``. The ratio metrics are of the unclipped geometric mean (GSPO's ``s_i``)."""
+    valid = units.valid
+    zeros = torch.zeros_like(logprobs)
+    seq_adv = masked_sequence_mean(advantages, valid)[:, None]
+    sign = torch.sign(seq_adv)
+    delta = torch.where(valid, logprobs - old_logprobs, zeros)
+    clipped = sign * torch.minimum(sign * delta, sign * delta.clamp(-s.clip_low, s.clip_high))
+    log_weight = masked_sequence_mean(clipped, valid)[:, None].clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    token_loss = torch.where(valid, -seq_adv * torch.exp(log_weight), zeros)
+    delta, seq_adv = delta.detach(), seq_adv.detach()
+    metrics = _fractions(units, (delta < -s.clip_low) & (seq_adv < 0), (delta > s.clip_high) & (seq_adv > 0))
+    ratio = torch.exp(log_ratio.detach().clamp(max=MAX_LOG_RATIO))
+    return token_loss, {**metrics, **units.ratio_stats(ratio)}
+
+
+# policy_loss_type -> its per-unit objective
+OBJECTIVES: dict[str, ObjectiveFn] = {
+    "ppo": ppo_objective, "sapo": sapo_objective, "cispo": cispo_objective, "gmpo": gmpo_objective,
+}

@@ -11,6 +11,9 @@ import warnings
 from typing import Any, Literal, Optional, get_args
 
 ImportanceSampling = Literal["seq", "seq-token", "token"]
+# the per-unit objective (objective/loss.py): PPO's clipped surrogate, SAPO's soft gate, CISPO's
+# clipped stop-gradient weight, GMPO's geometric mean of log-clipped token ratios
+PolicyLossType = Literal["ppo", "sapo", "cispo", "gmpo"]
 LossAggMode = Literal[
     "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-sum-token-sum-norm", "token-mean",
 ]
@@ -26,6 +29,13 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo")
 
 # Clip ranges follow the level of the ratio they clip (GSPO paper, section 5.1 / ROLL).
 DEFAULT_CLIP = {"seq": (3e-4, 4e-4), "seq-token": (3e-4, 4e-4), "token": (0.2, 0.27)}
+# Objectives whose clip is not PPO's trust region have their own defaults, the same at every level.
+# CISPO bounds a stop-gradient weight: no lower bound (MiniMax-M1 set clip_low large), the ratio
+# capped at 5 (ScaleRL's epsilon_max = 5, TRL's recommended epsilon_high). GMPO clips token
+# log-ratios to [-0.4, 0.4] (its paper and verl's example).
+DEFAULT_CLIP_BY_LOSS = {"cispo": (1.0, 4.0), "gmpo": (0.4, 0.4)}
+# SAPO's gate temperatures for positive / negative advantages (the paper's, also TRL's and verl's)
+DEFAULT_SAPO_TAU = (1.0, 1.05)
 
 
 def choices(option: Any) -> tuple:
@@ -48,6 +58,7 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
     G = s["num_return_sequences_in_group"]
     for name, option, allow_none in (
         ("importance_sampling", ImportanceSampling, False), ("loss_agg_mode", LossAggMode, False),
+        ("policy_loss_type", PolicyLossType, False),
         ("kl_estimator", KLEstimator, False), ("adv_estimator", AdvEstimator, False),
         ("reward_norm", RewardNorm, True), ("old_logprobs", OldLogprobs, False),
         ("on_reward_error", OnRewardError, False), ("dtype", Dtype, False),
@@ -65,8 +76,10 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
     for name in ("clip_low", "clip_high", "reward_clip", "advantage_clip", "kl_loss_coef", "kl_coef", "router_aux_loss_coef"):
         if s[name] is not None and s[name] < 0:
             problems.append(f"{name} must be >= 0, got {s[name]}")
-    if s["clip_low"] is not None and s["clip_low"] >= 1:
+    loss_type = s.get("policy_loss_type", "ppo")
+    if loss_type == "ppo" and s["clip_low"] is not None and s["clip_low"] >= 1:
         problems.append(f"clip_low must be < 1 (the ratio is clipped at 1 - clip_low), got {s['clip_low']}")
+    problems += _objective_problems(s)
     if s["dual_clip_loss"] and s["dual_clip"] <= 1:
         problems.append(f"dual_clip must be > 1 (3 is usual), got {s['dual_clip']}")
     if (s["reward_shift"] or s["reward_scale"]) and s["reward_norm"] is None:
@@ -118,9 +131,45 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
     _warn_surprises(s)
 
 
+def _objective_problems(s: dict[str, Any]) -> list[str]:
+    """The combinations of ``policy_loss_type`` with other keys that cannot act as written."""
+    loss_type, problems = s.get("policy_loss_type", "ppo"), []
+    taus = {name: s.get(name) for name in ("sapo_tau_pos", "sapo_tau_neg")}
+    if loss_type != "sapo":
+        problems += [f"{name} is SAPO's gate temperature: set policy_loss_type=sapo or unset {name}"
+                     for name, value in taus.items() if value is not None]
+    else:
+        problems += [f"{name} must be > 0 (the gate's slope; the paper: 1.0 / 1.05), got {value}"
+                     for name, value in taus.items() if value is not None and not value > 0]
+        problems += [f"{name} sets a clip range, and sapo has none (its gate's sapo_tau_pos / sapo_tau_neg set how fast "
+                     f"off-policy updates fade): unset {name}" for name in ("clip_low", "clip_high") if s[name] is not None]
+    if loss_type != "ppo" and s["dual_clip_loss"]:
+        problems.append(f"dual_clip_loss bounds PPO's clipped surrogate; policy_loss_type={loss_type} has none: "
+                        f"set dual_clip_loss: false or policy_loss_type=ppo")
+    if loss_type == "gmpo" and s["importance_sampling"] != "seq":
+        problems.append(f"gmpo's ratio is the geometric mean of the (clipped) token ratios, a sequence ratio: set "
+                        f"importance_sampling: seq (got {s['importance_sampling']})")
+    if loss_type == "gmpo" and s["add_token_level_kl"]:
+        problems.append("gmpo weighs each response by one advantage, and add_token_level_kl makes advantages differ "
+                        "per token: turn add_token_level_kl off (use_kl_loss adds a KL term) or use another policy_loss_type")
+    return problems
+
+
 def _warn_surprises(s: dict[str, Any]) -> None:
     """Legal settings that rarely mean what their author wanted."""
-    if s["importance_sampling"] != "token":
+    loss_type = s.get("policy_loss_type", "ppo")
+    if loss_type == "sapo" and s["importance_sampling"] != "token":
+        tau = min(v if v is not None else d for v, d in zip((s.get("sapo_tau_pos"), s.get("sapo_tau_neg")), DEFAULT_SAPO_TAU))
+        if tau < 100:
+            warnings.warn(
+                f"sapo at importance_sampling={s['importance_sampling']} with a gate temperature of {tau:g}: sequence "
+                f"ratios usually stay within ~1e-3 of 1 (GSPO clips at 3e-4 / 4e-4), where the gate passes nearly all of "
+                f"the gradient (its weight 4 g (1 - g) is 1/2 only at |tau (s - 1)| = 1.76): sequence-level policy "
+                f"gradient without a trust region. A gate acting where GSPO's clip does needs tau of several thousand "
+                f"(docs/algorithm.md)",
+                stacklevel=4,
+            )
+    if s["importance_sampling"] != "token" and loss_type == "ppo":
         for name in ("clip_low", "clip_high"):
             if s[name] is not None and s[name] >= 0.1:
                 warnings.warn(
@@ -134,13 +183,15 @@ def _warn_surprises(s: dict[str, Any]) -> None:
                       f"ROLL honours {which} only with reward_norm=running and ignores it otherwise", stacklevel=4)
 
 
-def clip_range(importance_sampling: str, clip_low: Optional[float], clip_high: Optional[float]) -> tuple[float, float]:
-    """``(clip_low, clip_high)`` with the defaults of the ratio level filled in."""
-    default_low, default_high = DEFAULT_CLIP[importance_sampling]
+def clip_range(importance_sampling: str, clip_low: Optional[float], clip_high: Optional[float],
+               policy_loss_type: str = "ppo") -> tuple[float, float]:
+    """``(clip_low, clip_high)`` with the defaults filled in: those of the ratio level for ``ppo``
+    (and ``sapo``, which clips nothing), the objective's own for ``cispo`` and ``gmpo``."""
+    default_low, default_high = DEFAULT_CLIP_BY_LOSS.get(policy_loss_type, DEFAULT_CLIP[importance_sampling])
     return (default_low if clip_low is None else clip_low, default_high if clip_high is None else clip_high)
 
 
 __all__ = [
-    "AdvEstimator", "DEFAULT_CLIP", "Dtype", "GROUP_ESTIMATORS", "ImportanceSampling", "KLEstimator", "LossAggMode",
-    "OldLogprobs", "OnRewardError", "RewardNorm", "check_choice", "choices", "clip_range", "validate_gspo_settings",
+    "AdvEstimator", "DEFAULT_CLIP", "DEFAULT_CLIP_BY_LOSS", "DEFAULT_SAPO_TAU", "Dtype", "GROUP_ESTIMATORS", "ImportanceSampling", "KLEstimator", "LossAggMode",
+    "OldLogprobs", "OnRewardError", "PolicyLossType", "RewardNorm", "check_choice", "choices", "clip_range", "validate_gspo_settings",
 ]

@@ -50,8 +50,8 @@ from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advan
 from gspo_lightning.objective.clip_budget import ClipBudget
 from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
 from gspo_lightning.objective.options import (
-    AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, RewardNorm,
-    clip_range, validate_gspo_settings,
+    AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, PolicyLossType,
+    RewardNorm, clip_range, validate_gspo_settings,
 )
 from gspo_lightning.objective.passk import record_eval_rollout
 from gspo_lightning.rewards.base import RewardComposer, RewardSpec
@@ -108,9 +108,19 @@ class GSPOModule(L.LightningModule):
         whiten_advantages: whiten advantages over all valid tokens of the batch.
         advantage_clip: clip advantages to ``[-c, c]`` (``null``: off).
         importance_sampling: ``seq`` (GSPO), ``seq-token`` (GSPO-token) or ``token`` (GRPO).
-        clip_low: ratio clip below 1 (``null``: 3e-4 for sequence levels, 0.2 for token).
-        clip_high: ratio clip above 1 (``null``: 4e-4 for sequence levels, 0.27 for token).
-        dual_clip_loss: bound the loss of negative-advantage samples (ROLL's key).
+        policy_loss_type: the objective per unit (token, or response at the sequence levels):
+            ``ppo`` (the clipped surrogate of GSPO / GRPO), ``sapo`` (a soft gate in place of the
+            clip), ``cispo`` (the clipped ratio as a weight without gradient) or ``gmpo`` (the
+            geometric mean of token ratios, each clipped in log space; ``importance_sampling: seq``);
+            see docs/algorithm.md.
+        sapo_tau_pos: SAPO's gate temperature where the advantage is positive (``null``: 1.0,
+            the paper's); sapo only.
+        sapo_tau_neg: the same where it is not (``null``: 1.05); sapo only.
+        clip_low: ratio clip below 1 (``null``: 3e-4 for sequence levels, 0.2 for token; cispo:
+            1, no lower bound; gmpo: 0.4, a log-ratio bound; sapo: none, leave unset).
+        clip_high: ratio clip above 1 (``null``: 4e-4 for sequence levels, 0.27 for token; cispo:
+            4, the weight capped at 5; gmpo: 0.4, a log-ratio bound; sapo: none, leave unset).
+        dual_clip_loss: bound the loss of negative-advantage samples (ROLL's key; ppo only).
         dual_clip: the dual-clip constant ``c > 1`` (ROLL uses ``1 + 2 * pg_clip``).
         loss_agg_mode: ``seq-mean-token-mean`` (the paper), ``seq-mean-token-sum``,
             ``seq-mean-token-sum-norm``, ``seq-sum-token-sum-norm`` (ROLL's sum-norm) or ``token-mean``.
@@ -157,7 +167,7 @@ class GSPOModule(L.LightningModule):
             policy (``offpolicy.OffPolicyCorrection``: ``mode`` decoupled / bypass, ``level``
             seq / token / seq-product, ``method`` truncate / mask, thresholds); ``null``: off.
         clip_budget: log which part of the clipped log-ratio is engine numerics, staleness or
-            the update (``clip_budget/*``). Off by default: with ``old_logprobs: engine`` it costs
+            the update (``clip_budget/*``; for ``sapo``, of the saturated gate's). Off by default: with ``old_logprobs: engine`` it costs
             one extra no-grad pass per rollout (the trainer's log-probs to split against).
         export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
             to ``<log dir>/hf_model`` when ``fit`` ends.
@@ -200,6 +210,9 @@ class GSPOModule(L.LightningModule):
         whiten_advantages: bool = False,
         advantage_clip: Optional[float] = None,
         importance_sampling: ImportanceSampling = "seq",
+        policy_loss_type: PolicyLossType = "ppo",
+        sapo_tau_pos: Optional[float] = None,
+        sapo_tau_neg: Optional[float] = None,
         clip_low: Optional[float] = None,
         clip_high: Optional[float] = None,
         dual_clip_loss: bool = False,
@@ -245,8 +258,9 @@ class GSPOModule(L.LightningModule):
         validate_gspo_settings(dict(self.hparams))
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.clip_low, self.clip_high = clip_range(importance_sampling, clip_low, clip_high)
-        self.clip_budget = ClipBudget(importance_sampling, self.clip_low, self.clip_high) if clip_budget else None
+        self.clip_low, self.clip_high = clip_range(importance_sampling, clip_low, clip_high, policy_loss_type)
+        self.clip_budget = ClipBudget(importance_sampling, self.clip_low, self.clip_high, policy_loss_type=policy_loss_type,
+                                      sapo_tau=(sapo_tau_pos, sapo_tau_neg)) if clip_budget else None
         self.metric_hooks: list[MetricHook] = list(metric_hooks or []) + ([self.clip_budget] if clip_budget else [])
         self.automatic_optimization = False
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.objective.loss import masked_sequence_mean, policy_loss
+from gspo_lightning.objective.options import DEFAULT_SAPO_TAU
 from gspo_lightning.rollout.worker import Rollout
 from gspo_lightning.training.metrics import StepMetrics
 from gspo_lightning.training.row_filters import loss_mask, micro_batches, rows_with_advantage
@@ -52,6 +53,9 @@ class UpdateSettings:
     max_consecutive_nonfinite: int = 3
     overlong_filtering: bool = False  # truncated responses leave the loss (training/row_filters.py)
     skip_zero_advantage: bool = False  # no forward/backward for rows that add exactly zero (training/row_filters.py)
+    policy_loss_type: str = "ppo"  # the per-unit objective (objective/loss.py)
+    sapo_tau_pos: float = DEFAULT_SAPO_TAU[0]
+    sapo_tau_neg: float = DEFAULT_SAPO_TAU[1]
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,15 @@ def update_settings(config: Mapping, prompts_per_step: int, world: int, *, clip_
         router_aux_loss_coef=c["router_aux_loss_coef"], routing_replay=c["routing_replay"],
         max_consecutive_nonfinite=c["max_consecutive_nonfinite"],
         overlong_filtering=c["overlong_filtering"], skip_zero_advantage=c["skip_zero_advantage"],
+        # an older checkpoint's hyper-parameters lack the objective's keys: today's defaults
+        policy_loss_type=c.get("policy_loss_type", "ppo"),
+        sapo_tau_pos=_or_default(c.get("sapo_tau_pos"), DEFAULT_SAPO_TAU[0]),
+        sapo_tau_neg=_or_default(c.get("sapo_tau_neg"), DEFAULT_SAPO_TAU[1]),
     )
+
+
+def _or_default(value, default):
+    return default if value is None else value
 
 
 class PolicyUpdater:
@@ -276,6 +288,7 @@ class PolicyUpdater:
                             kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
                             num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
                             is_weights=is_weights[rows] if is_weights is not None else None,
+                            policy_loss_type=s.policy_loss_type, sapo_tau_pos=s.sapo_tau_pos, sapo_tau_neg=s.sapo_tau_neg,
                         )
                         if aux_loss is not None:
                             # a mean per micro-batch, weighed by its share of the step's responses over
@@ -336,9 +349,11 @@ class PolicyUpdater:
         m = self.metrics
         metrics, mask = micro.loss_metrics, micro.mask
         units = (lengths > 0).sum() if self.settings.importance_sampling != "token" else mask.sum()
-        for name in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean"):
-            m.update(f"loss/{name}", metrics[name], units)
-        if first:  # on-policy: with exact old log-probs nothing can clip here
+        # the objective's own means over units: clip fractions (ppo, cispo, gmpo), the gate's (sapo), ratio_mean
+        for name, value in metrics.items():
+            if name not in ("kl", "ratio_max", "ratio_min"):
+                m.update(f"loss/{name}", value, units)
+        if first and "clip_frac" in metrics:  # on-policy: with exact old log-probs nothing can clip here
             m.update("loss/clip_frac_first_minibatch", metrics["clip_frac"], units)
             self._warn_first_clip(float(metrics["clip_frac"]), micro)
         m.update("loss/ratio_max", metrics["ratio_max"], kind="max")
