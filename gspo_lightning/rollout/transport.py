@@ -243,24 +243,31 @@ class FolderTransport(WeightTransport):
         return real
 
     def receive(self, manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
-        from safetensors import safe_open
-
+        # the folder and the file names are checked now, before the caller lets go of anything
         folder = self.folder_of(manifest)
         files = manifest.get("files")
-        if not isinstance(files, list):
+        if not isinstance(files, list) or not all(isinstance(e, dict) for e in files):
             raise ValueError("manifest.files must list the bucket files ({file, names})")
         for entry in files:
-            name = entry.get("file") if isinstance(entry, dict) else None
-            names = entry.get("names") if isinstance(entry, dict) else None
+            names = entry.get("names")
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise ValueError("every manifest.files entry needs names, a list of tensor names")
+            _check_bucket_name(entry.get("file"))
+        return self._read(folder, files)
+
+    @staticmethod
+    def _read(folder: Path, files: list[dict]) -> Iterator[tuple[str, Tensor]]:
+        from safetensors import safe_open
+
+        for entry in files:
+            name = entry["file"]
             fd = _open_bucket(folder, name)
             try:
                 # through the open descriptor: a link swapped in after the check is not followed
                 where = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(folder / name)
                 with safe_open(where, framework="pt") as handle:
                     held = set(handle.keys())
-                    for tensor_name in names:
+                    for tensor_name in entry["names"]:
                         if tensor_name not in held:
                             raise ValueError(f"bucket file {name!r} holds no tensor {tensor_name[:200]!r}")
                         yield tensor_name, handle.get_tensor(tensor_name)
@@ -276,19 +283,27 @@ class FolderTransport(WeightTransport):
             self._own_root = None
 
 
-def _open_bucket(folder: Path, name: Any) -> int:
-    """A read descriptor of the regular file ``name`` right in ``folder`` (no path, no link)."""
-    refusal = ValueError(f"bucket file {str(name)[:200]!r} of the manifest is not a regular file in the weights folder")
+def _bucket_refusal(name: Any) -> ValueError:
+    return ValueError(f"bucket file {str(name)[:200]!r} of the manifest is not a regular file in the weights folder")
+
+
+def _check_bucket_name(name: Any) -> None:
+    """A bucket file is named by a plain file name: no folder part, no ``..``."""
     if not isinstance(name, str) or name in ("", ".", "..") or "\x00" in name or os.path.basename(name) != name \
             or os.sep in name or (os.altsep and os.altsep in name):
-        raise refusal
+        raise _bucket_refusal(name)
+
+
+def _open_bucket(folder: Path, name: str) -> int:
+    """A read descriptor of the regular file ``name`` right in ``folder`` (a link is refused)."""
+    _check_bucket_name(name)
     try:
         fd = os.open(folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
-        raise refusal from None
+        raise _bucket_refusal(name) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise refusal
+        raise _bucket_refusal(name)
     return fd
 
 
@@ -370,15 +385,20 @@ class NCCLTransport(WeightTransport):
         finally:
             pool.shutdown(wait=False)
 
+    receive_device = "cuda"  # where received tensors are made (a test on CPU sets "cpu")
+
     def receive(self, manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
         self._require_cuda()
-        names, shapes, dtypes = nccl_layout(manifest)
-        peer = (manifest["host"], manifest["port"])
+        layout = nccl_layout(manifest)  # checked before the server joins anything
+        return self._receive((manifest["host"], manifest["port"]), *layout)
+
+    def _receive(self, peer: tuple[str, int], names: list[str], shapes: list[list[int]],
+                 dtypes: list[str]) -> Iterator[tuple[str, Tensor]]:
         if self._communicator is None or self._peer != peer:  # one communicator per session (and trainer address)
-            self._communicator = self._connect(*peer, 1, torch.cuda.current_device())
+            self._communicator = self._connect(*peer, 1, torch.cuda.current_device() if self.receive_device == "cuda" else 0)
             self._peer = peer
         for name, shape, dtype in zip(names, shapes, dtypes):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.receive_device)
             self._communicator.broadcast(tensor, src=0)
             yield name, tensor
 

@@ -170,12 +170,13 @@ class RolloutServer:
         self.lease.hold(token)
         start = time.perf_counter()
         with self.condition:
-            receiver = self._receiver(manifest.get("kind"), token)
+            # a manifest the transport refuses (a folder outside the weights root...) changes nothing
+            stream = self._receiver(manifest.get("kind"), token).receive(manifest)
             received = WeightsChecksum()
             dtypes: dict[str, torch.dtype] = {}
 
             def pairs() -> Iterator[tuple[str, Tensor]]:
-                for name, tensor in receiver.receive(manifest):
+                for name, tensor in stream:
                     received.update(name, tensor)
                     dtypes[name] = tensor.dtype
                     yield name, tensor

@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -170,6 +171,11 @@ class RolloutHTTPServer(ThreadingHTTPServer):
         finally:
             self.unwatch(request)
             self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return  # a client gone, or dropped by the watchdog: nothing to report
+        super().handle_error(request, client_address)
 
     def server_close(self) -> None:
         self._closed.set()
