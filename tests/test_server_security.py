@@ -534,3 +534,27 @@ def test_a_restarted_server_is_not_sent_a_broadcast_again(served, monkeypatch):
     with pytest.raises(RolloutServerError, match="NCCLTransport cannot send it the last push .* resume the run"):
         client._recover(served.url)
     client.close()
+
+
+def test_a_started_server_gets_the_secret_in_its_environment_not_on_its_command_line(monkeypatch, tmp_path):
+    import subprocess
+
+    from gspo_lightning.rollout.remote import ChildServer
+
+    seen = {}
+
+    class Exited:
+        pid = 1
+
+        def __init__(self, command, env, **_):
+            seen.update(command=command, env=env)
+
+        def poll(self):
+            return 3
+
+    monkeypatch.setattr(subprocess, "Popen", Exited)
+    child = ChildServer(ServerSpec(MODEL), secret=SECRET, weights_root=str(tmp_path))
+    with pytest.raises(RolloutServerError, match="did not come up"):
+        child.start(5)
+    assert seen["env"]["GSPO_SERVER_TOKEN"] == SECRET and not any(SECRET in part for part in seen["command"])  # ps shows argv
+    assert seen["command"][seen["command"].index("--weights_root") + 1] == str(tmp_path.resolve())

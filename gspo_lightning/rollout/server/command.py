@@ -51,10 +51,11 @@ def spec_json(spec: "ServerSpec") -> str:
     return json.dumps(asdict(spec))
 
 
-SECURITY = """security: every request but GET /health needs the secret of $GSPO_SERVER_TOKEN (or --token_file),
-as the trainer sends it from its own $GSPO_SERVER_TOKEN or model.engine.init_args.token_file. Without
-a secret the server binds loopback addresses only. The secret authenticates, it does not encrypt:
-across machines use an SSH tunnel or a TLS proxy in front of a loopback server (docs/scaling.md#security)."""
+SECURITY = """security: with a secret ($GSPO_SERVER_TOKEN, or --token_file) every request but GET /health
+must carry it, as the trainer does from its own $GSPO_SERVER_TOKEN or model.engine.init_args.token_file.
+Without a secret the server binds loopback addresses only (and anyone on this machine may use it).
+The secret authenticates, it does not encrypt: across machines use an SSH tunnel, or a TLS proxy in
+front of a loopback server (docs/scaling.md#security)."""
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -73,6 +74,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     limits = parser.add_argument_group("limits (a request above one is refused with status 400 / 413 / 503)")
     limits.add_argument("--request_timeout_s", type=float, default=10.0,
                         help="a request must be received whole within this long, else its connection is dropped")
+    limits.add_argument("--reply_timeout_s", type=float, default=300.0,
+                        help="a reply must be sent within this long, else its connection is dropped")
     limits.add_argument("--max_connections", type=int, default=32, help="connections served at once; more get 503")
     limits.add_argument("--max_body_mb", type=float, default=64.0, help="largest request body")
     limits.add_argument("--max_prompts", type=int, default=4096, help="prompts per generation request")
@@ -114,7 +117,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     else:
         spec = ServerSpec(**json.loads(Path(args.spec).read_text()))
     try:
-        limits = ServerLimits(request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
+        limits = ServerLimits(request_timeout_s=args.request_timeout_s, reply_timeout_s=args.reply_timeout_s,
+                              max_connections=args.max_connections,
                               max_body_mb=args.max_body_mb, max_prompts=args.max_prompts,
                               max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n,
                               max_responses=args.max_responses, max_new_tokens=args.max_new_tokens)

@@ -33,7 +33,7 @@ no dependency, and every limit is a few lines that ``tests/test_server_security.
 
 - a request's line, headers and body must arrive within ``request_timeout_s`` in total (a
   watchdog shuts the socket of one that does not, however slowly it trickles), and each
-  read or write times out after as long;
+  read times out after as long; a reply must be sent within ``reply_timeout_s``;
 - at most ``max_connections`` connections are served at once (one thread each); another is
   answered 503 at once and closed;
 - ``Content-Length`` is read and checked before the body: missing 411, not a plain
@@ -203,7 +203,8 @@ def handler_for(app: RolloutServer) -> type[BaseHTTPRequestHandler]:
             pass  # one line per request would drown the trainer's output
 
         def handle_one_request(self) -> None:
-            self.server.watch(self.connection)  # from the first byte of the request line
+            self.connection.settimeout(self.server.limits.request_timeout_s)  # each read
+            self.server.watch(self.connection)  # the whole request, from the first byte of its line
             try:
                 super().handle_one_request()
             finally:
@@ -277,6 +278,7 @@ def handler_for(app: RolloutServer) -> type[BaseHTTPRequestHandler]:
                 if self.headers.get("Content-Length", "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
                     self.close_connection = True  # a GET's body is not read: the connection ends with the reply
             self.server.unwatch(self.connection)
+            self.connection.settimeout(self.server.limits.reply_timeout_s)  # a large reply may take a while to send
             try:
                 self._reply(200, route(app, body))
             except (SessionError, VersionError) as error:

@@ -30,7 +30,9 @@ class ServerLimits:
 
     Args:
         request_timeout_s: a request's line, headers and body must arrive within this long
-            (a half-sent request is dropped); also the socket timeout of every read and write.
+            (a half-sent request is dropped); also the socket timeout of every read.
+        reply_timeout_s: longest time to send one reply (a client that stops reading is
+            dropped); a large generation's reply over a slow link needs a while.
         max_connections: connections served at once; more are answered 503 and closed.
         max_body_mb: largest request body (``Content-Length`` is checked before reading).
         max_prompts: prompts per generation request.
@@ -41,6 +43,7 @@ class ServerLimits:
     """
 
     request_timeout_s: float = 10.0
+    reply_timeout_s: float = 300.0
     max_connections: int = 32
     max_body_mb: float = 64.0
     max_prompts: int = 4096
@@ -50,7 +53,7 @@ class ServerLimits:
     max_new_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "max_body_mb"):
+        for name in ("request_timeout_s", "reply_timeout_s", "max_body_mb"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"server limit {name} must be a finite number > 0, got {value!r}")
