@@ -165,8 +165,9 @@ def test_a_secret_comes_from_the_environment_or_a_file_and_must_be_long(tmp_path
     assert read_secret(str(token_file), {"GSPO_SERVER_TOKEN": "other-secret-of-enough-length"}) == SECRET  # the file wins
     with pytest.raises(ValueError, match="has 5 characters; use at least 16"):
         read_secret(None, {"GSPO_SERVER_TOKEN": "short"})
-    with pytest.raises(ValueError, match="whitespace or control characters"):
-        read_secret(None, {"GSPO_SERVER_TOKEN": "a secret with spaces in it"})
+    for bad in ("a secret with spaces in it", "a-secret-with-\x07-a-bell", "a-secret-with-an-ümlaut-in-it"):
+        with pytest.raises(ValueError, match="whitespace, control or non-ASCII characters"):
+            read_secret(None, {"GSPO_SERVER_TOKEN": bad})
     with pytest.raises(ValueError, match="cannot read the rollout server's token file"):
         read_secret(str(tmp_path / "missing"), {})
 

@@ -40,9 +40,9 @@ def read_secret(token_file: Optional[str] = None, environ: Mapping[str, str] = o
     if len(secret) < MIN_SECRET_CHARS:
         raise ValueError(f"the rollout server secret in {where} has {len(secret)} characters; use at least "
                          f"{MIN_SECRET_CHARS} random ones ({HOW_TO_MAKE_ONE})")
-    if any(c.isspace() or not c.isprintable() for c in secret):
-        raise ValueError(f"the rollout server secret in {where} holds whitespace or control characters: it travels in "
-                         f"an HTTP header; use letters and digits ({HOW_TO_MAKE_ONE})")
+    if not secret.isascii() or any(c.isspace() or not c.isprintable() for c in secret):
+        raise ValueError(f"the rollout server secret in {where} holds whitespace, control or non-ASCII characters: it "
+                         f"travels in an HTTP header; use letters and digits ({HOW_TO_MAKE_ONE})")
     return secret
 
 
