@@ -559,3 +559,16 @@ def test_a_started_server_gets_the_secret_in_its_environment_not_on_its_command_
         child.start(5)
     assert seen["env"]["GSPO_SERVER_TOKEN"] == SECRET and not any(SECRET in part for part in seen["command"])  # ps shows argv
     assert seen["command"][seen["command"].index("--weights_root") + 1] == str(tmp_path.resolve())
+
+
+def test_the_vocabulary_bound_is_the_output_heads_rows_even_when_zero3_partitions_it():
+    from gspo_lightning.rollout.remote import output_rows
+
+    policy, _ = build_tiny(MODEL)
+    rows = policy.get_output_embeddings().weight.shape[0]
+    assert output_rows(policy) == rows
+    head = policy.get_output_embeddings()
+    partitioned = torch.nn.Parameter(torch.empty(0))  # ZeRO-3's local view: empty, the full shape in ds_shape
+    partitioned.ds_shape = torch.Size([rows + 64, 32])
+    head.weight = partitioned
+    assert output_rows(policy) == rows + 64

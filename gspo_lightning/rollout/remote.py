@@ -17,10 +17,11 @@ checks that every server now holds exactly them (checksum). Every generation is 
 against the version and checksum the trainer pushed, so a server holding other weights
 is refused, and its shape against what was asked (``replies.py``). Every request carries
 the server's secret, from ``$GSPO_SERVER_TOKEN`` or ``token_file`` (``server/auth.py``);
-a server this engine starts gets a fresh one. A server that goes away is waited for with bounded exponential backoff; one
-that comes back (restarted) gets the current weights again; one that does not within
-``reconnect_s`` stops the run with :class:`~gspo_lightning.errors.RolloutServerError`,
-which writes a checkpoint (``run/preemption.py``) to resume from.
+a server this engine starts gets a fresh one. A server that goes away is waited for with
+bounded exponential backoff; one that comes back (restarted) gets the current weights
+again; one that does not within ``reconnect_s`` stops the run with
+:class:`~gspo_lightning.errors.RolloutServerError`, which writes a checkpoint
+(``run/preemption.py``) to resume from.
 
 ``generate`` only reads state that ``start`` / ``update_weights`` set, and each call makes
 its own connections: it may run in a background thread while the trainer trains.
@@ -212,7 +213,7 @@ class RemoteEngine(RolloutEngine):
         self.rank, self.world_size, self.pad_token_id = spec.rank, spec.world_size, spec.pad_token_id
         if spec.policy is None:
             raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
-        self.vocab_size = int(spec.policy.get_output_embeddings().weight.shape[0])
+        self.vocab_size = output_rows(spec.policy)
         self.identity = {
             "fingerprint": model_fingerprint(spec.policy, engine_name),
             "eos_token_ids": sorted(spec.eos_token_ids), "pad_token_id": spec.pad_token_id,
@@ -427,6 +428,15 @@ class RemoteEngine(RolloutEngine):
             self.transport.close()
 
 
+def output_rows(policy: torch.nn.Module) -> int:
+    """How many token ids the policy can sample: its output head's rows (the full count of a
+    ZeRO-3 partitioned head, whose local shape is empty), else the config's vocabulary size."""
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    if head is None:
+        return int(policy.config.vocab_size)
+    return int(getattr(head.weight, "ds_shape", head.weight.shape)[0])
+
+
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ``[start, stop)`` ranges over ``count`` items, sizes differing by at most one."""
     base, extra = divmod(count, parts)
@@ -520,4 +530,4 @@ class ChildServer:
             self.folder = None
 
 
-__all__ = ["ChildServer", "RemoteEngine", "replies_to_generation", "request_json", "split_evenly"]
+__all__ = ["ChildServer", "RemoteEngine", "output_rows", "replies_to_generation", "request_json", "split_evenly"]
