@@ -363,3 +363,11 @@ def test_kv_decoder_declines_fsdp2_sharded_policies():
         assert not kv_decode.supports(model)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_sampling_params_refuse_a_temperature_that_is_not_a_finite_number_at_least_0(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(4, temperature=temperature)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        SamplingParams(4, top_p=float("nan"))

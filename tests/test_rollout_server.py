@@ -122,7 +122,7 @@ def test_folder_transport_streams_buckets_in_order_and_removes_the_old_version(t
     manifest = transport.send(iter(weights), version=3)
     assert [len(f["names"]) for f in manifest["files"]] == [2, 2, 1]
     assert manifest["names"] == [n for n, _ in weights] and manifest["bytes"] == 5 * 1024
-    received = list(FolderTransport.receive(manifest))
+    received = list(transport.receive(manifest))
     assert [n for n, _ in received] == manifest["names"]
     assert all(torch.equal(t, w) for (_, t), (_, w) in zip(received, weights))
     transport.sent(manifest)

@@ -186,6 +186,7 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
+        return True  # vLLM: False when requests in flight hold blocks
 
     def sleep(self, level=1):
         self.calls.append(f"sleep{level}")
@@ -214,6 +215,16 @@ def test_a_push_loads_every_pair_counts_it_and_drops_the_prefix_cache(tiny_h32):
     assert engine.weights_version == 0 and not engine.needs_weights(0) and engine.needs_weights(1)
 
 
+def test_a_prefix_cache_that_cannot_be_reset_fails_the_push(tiny_h32):
+    model, _ = tiny_h32
+    fake = FakeLLM()
+    fake.reset_prefix_cache = lambda: False  # requests in flight held cached blocks
+    engine = started(fake)
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+        engine.update_weights(((n, p.detach()) for n, p in model.named_parameters()), 0)
+    assert engine.weights_version == -1
+
+
 def test_a_push_that_vllm_stops_reading_fails_and_is_not_recorded(tiny_h32):
     model, _ = tiny_h32
     consumed = []
@@ -237,9 +248,11 @@ def test_sleep_level_1_wakes_weights_for_a_push_and_level_2_forces_a_resend(tiny
     engine.sleep()
     engine.update_weights(((n, p.detach()) for n, p in model.named_parameters()), 0)
     assert fake.calls[:3] == ["sleep1", "wake:weights", "reload_weights"]
-    assert "reset_prefix_cache" not in fake.calls  # the KV cache is asleep: freed, prefix cache included
+    assert "reset_prefix_cache" not in fake.calls  # the KV cache is asleep: reset when it wakes
     engine.wake()
-    assert fake.calls[-1] == "wake:kv_cache" and not engine.needs_weights(0)
+    assert fake.calls[-2:] == ["wake:kv_cache", "reset_prefix_cache"] and not engine.needs_weights(0)
+    engine.wake()  # once per load
+    assert fake.calls.count("reset_prefix_cache") == 1
 
     engine = started(FakeLLM(), sleep_level=2)
     engine.weights_version = 4
@@ -296,6 +309,53 @@ def test_sleep_mode_where_vllm_has_none_is_refused_at_start(tiny_h32):
     model, tok = tiny_h32
     with pytest.raises(ValueError, match="sleep_level=1 needs vLLM's sleep mode.*set sleep_level: 0"):
         VLLMEngine(sleep_level=1).start(spec_for(model, tok))
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_prompt_seen_before_a_push_is_not_served_from_the_old_weights_prefix_cache(tiny_h32):
+    """vLLM caches the KV blocks of prompts it has seen (prefix caching, on by default). After a
+    push those blocks hold the old weights' keys and values: a prompt seen before must be
+    recomputed, so its log-probs are the new weights' as the trainer scores them. The test also
+    shows that it can fail: with the reset skipped, the cached blocks are reused and the
+    log-probs are off."""
+    from gspo_lightning.rollout.hf import left_pad
+    from gspo_lightning.rollout.weight_sync import iter_policy_weights
+    from gspo_lightning.training.logprobs import response_logprobs
+
+    model, tok = tiny_h32
+    old, new = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)  # other weights of the same shapes
+    prompt = [3 + i % 10 for i in range(40)]  # its first 32-token block is cached
+    params = SamplingParams(4)  # temperature 1: the engine's log-probs are the plain softmax's
+
+    def gap(engine, policy) -> float:
+        generation = engine.generate([prompt], 1, params, seed=0)
+        ids, mask = left_pad([prompt], tok.pad_token_id, "cpu")
+        full = torch.cat([ids, generation.completion_ids], 1)
+        with torch.no_grad():
+            scored = response_logprobs(policy, full, torch.cat([mask, generation.mask.long()], 1), ids.shape[1],
+                                       temperature=1.0)[0]
+        return float((scored[generation.mask] - generation.logprobs[generation.mask]).abs().max())
+
+    engine = VLLMEngine(kv_cache_memory_gb=0.25, llm_kwargs={"enable_prefix_caching": True, "block_size": 32})
+    engine.start(spec_for(old, tok, prompt_length=len(prompt), response_length=4))
+    try:
+        engine.update_weights(iter_policy_weights(old), 0)
+        first = gap(engine, old)  # the prompt's blocks now cached, from the old weights
+        engine.update_weights(iter_policy_weights(new), 1)
+        after_push = gap(engine, new)  # recomputed with the new weights (the cache was reset)
+        engine.llm.reset_prefix_cache = lambda *a, **k: True  # what a push without the reset would leave
+        engine.update_weights(iter_policy_weights(old), 2)
+        stale = gap(engine, old)  # the new weights' cached blocks reused
+        print(f"prefix cache: |engine - trainer| max {first:.1e} first, {after_push:.1e} after a push, {stale:.1e} stale")
+        assert first <= 1e-4 and after_push <= 1e-4 and stale > 1e-2
+    finally:
+        engine.close()
 
 
 # -- the shipped config ------------------------------------------------------------------------------

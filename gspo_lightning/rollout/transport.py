@@ -30,15 +30,21 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
+import threading
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from gspo_lightning.rollout.engine import WeightsIterator
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 Manifest = dict[str, Any]
 
@@ -76,9 +82,12 @@ def checksum_of(named: WeightsIterator) -> str:
 
 class WeightTransport(ABC):
     """Moves weights to where an engine loads them: :meth:`send` on the trainer, :meth:`receive`
-    where the engine is (this process, or a rollout server)."""
+    where the engine is (this process, or a rollout server: :meth:`receiver` makes its side)."""
 
     kind: str = ""
+    # whether a manifest can be loaded again later (a restarted server gets the last push):
+    # a folder's files stay until the next push, a broadcast is gone once received
+    resendable: bool = True
 
     @abstractmethod
     def send(self, weights: WeightsIterator, version: int) -> Manifest:
@@ -94,10 +103,15 @@ class WeightTransport(ABC):
     def sent(self, manifest: Manifest) -> None:
         """Every server loaded ``manifest``: what older pushes left behind can go."""
 
-    @staticmethod
     @abstractmethod
-    def receive(manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
+    def receive(self, manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
         """The receiving side: the pushed ``(name, tensor)`` pairs, in order."""
+
+    @classmethod
+    def receiver(cls, weights_root: str) -> "WeightTransport":
+        """The receiving side in a rollout server, which reads files only under ``weights_root``;
+        one per trainer session (it may keep a connection to that trainer)."""
+        return cls()
 
     def close(self) -> None:
         """End of the run: remove what the transport wrote."""
@@ -112,9 +126,20 @@ class InProcessTransport(WeightTransport):
     def send(self, weights: WeightsIterator, version: int) -> Manifest:
         return {"kind": self.kind, "version": version, "weights": weights}
 
-    @staticmethod
-    def receive(manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
+    def receive(self, manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
         return iter(manifest["weights"])
+
+
+def default_weights_root() -> Path:
+    """Where a :class:`FolderTransport` without a ``path`` writes (``/dev/shm`` when it exists,
+    RAM-backed; else the temporary directory), and so where a server reads by default."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return Path("/dev/shm")
+    return Path(tempfile.gettempdir())
+
+
+def _strictly_inside(path: Path, root: Path) -> bool:
+    return root in path.parents
 
 
 class FolderTransport(WeightTransport):
@@ -123,6 +148,7 @@ class FolderTransport(WeightTransport):
     Args:
         path: a folder the server can read (``null``: a fresh folder in ``/dev/shm`` when it
             exists, else in the temporary directory; across nodes give a shared filesystem).
+            On the receiving side, the only folder whose subfolders it reads.
         bucket_mb: largest bucket file; buckets are written as the weights stream in, so the
             trainer never holds more than one bucket beyond its own weights.
     """
@@ -137,13 +163,16 @@ class FolderTransport(WeightTransport):
         self._own_root: Optional[str] = None
         self._current: Optional[Path] = None
 
+    @classmethod
+    def receiver(cls, weights_root: str) -> "FolderTransport":
+        return cls(path=weights_root)
+
     def _root(self) -> Path:
         if self.path is not None:
             Path(self.path).mkdir(parents=True, exist_ok=True)
-            return Path(self.path)
+            return Path(self.path).resolve()  # the server may run in another working directory
         if self._own_root is None:
-            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            self._own_root = tempfile.mkdtemp(prefix="gspo-weights-", dir=base)
+            self._own_root = tempfile.mkdtemp(prefix="gspo-weights-", dir=default_weights_root())
         return Path(self._own_root)
 
     def send(self, weights: WeightsIterator, version: int) -> Manifest:
@@ -185,18 +214,65 @@ class FolderTransport(WeightTransport):
             shutil.rmtree(self._current, ignore_errors=True)
         self._current = current
 
+    # -- the receiving side: only files inside the manifest's folder, only under the root --------
+    def receiving_roots(self) -> tuple[Path, Path]:
+        """The root as named, and resolved (``/tmp`` may be a link)."""
+        named = Path(os.path.abspath(self.path if self.path is not None else default_weights_root()))
+        return named, Path(os.path.realpath(named))
+
+    def folder_of(self, manifest: Manifest) -> Path:
+        """The manifest's folder, resolved, when it lies under the receiving root.
+
+        One refusal for every other case (missing, outside, a link out, not a folder): it
+        tells a client nothing about what exists elsewhere. Nothing outside the root is
+        looked at unless a link inside the root points there."""
+        named, root = self.receiving_roots()
+        given = manifest.get("path")
+        refusal = ValueError(
+            f"weights folder {str(given)[:200]!r} is not a folder under this server's weights root {named}: the trainer's "
+            "FolderTransport path must be the server's --weights_root (default /dev/shm, else the temporary directory), "
+            "on this machine or a shared filesystem")
+        if not isinstance(given, str) or "\x00" in given or not os.path.isabs(given) or ".." in Path(given).parts:
+            raise refusal
+        lexical = Path(os.path.normpath(given))
+        if not (_strictly_inside(lexical, named) or _strictly_inside(lexical, root)):
+            raise refusal
+        real = Path(os.path.realpath(lexical))
+        if not _strictly_inside(real, root) or not real.is_dir():
+            raise refusal
+        return real
+
+    def receive(self, manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
+        # the folder and the file names are checked now, before the caller lets go of anything
+        folder = self.folder_of(manifest)
+        files = manifest.get("files")
+        if not isinstance(files, list) or not all(isinstance(e, dict) for e in files):
+            raise ValueError("manifest.files must list the bucket files ({file, names})")
+        for entry in files:
+            names = entry.get("names")
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError("every manifest.files entry needs names, a list of tensor names")
+            _check_bucket_name(entry.get("file"))
+        return self._read(folder, files)
+
     @staticmethod
-    def receive(manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
+    def _read(folder: Path, files: list[dict]) -> Iterator[tuple[str, Tensor]]:
         from safetensors import safe_open
 
-        folder = Path(manifest["path"])
-        if not folder.is_dir():
-            raise FileNotFoundError(f"weights folder {folder} does not exist on the server: the server must read the "
-                                    "trainer's FolderTransport path (same machine, or a shared filesystem)")
-        for entry in manifest["files"]:
-            with safe_open(str(folder / entry["file"]), framework="pt") as handle:
-                for name in entry["names"]:
-                    yield name, handle.get_tensor(name)
+        for entry in files:
+            name = entry["file"]
+            fd = _open_bucket(folder, name)
+            try:
+                # through the open descriptor: a link swapped in after the check is not followed
+                where = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(folder / name)
+                with safe_open(where, framework="pt") as handle:
+                    held = set(handle.keys())
+                    for tensor_name in entry["names"]:
+                        if tensor_name not in held:
+                            raise ValueError(f"bucket file {name!r} holds no tensor {tensor_name[:200]!r}")
+                        yield tensor_name, handle.get_tensor(tensor_name)
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         if self._current is not None:
@@ -207,24 +283,57 @@ class FolderTransport(WeightTransport):
             self._own_root = None
 
 
+def _bucket_refusal(name: Any) -> ValueError:
+    return ValueError(f"bucket file {str(name)[:200]!r} of the manifest is not a regular file in the weights folder")
+
+
+def _check_bucket_name(name: Any) -> None:
+    """A bucket file is named by a plain file name: no folder part, no ``..``."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\x00" in name or os.path.basename(name) != name \
+            or os.sep in name or (os.altsep and os.altsep in name):
+        raise _bucket_refusal(name)
+
+
+def _open_bucket(folder: Path, name: str) -> int:
+    """A read descriptor of the regular file ``name`` right in ``folder`` (a link is refused)."""
+    _check_bucket_name(name)
+    try:
+        fd = os.open(folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        raise _bucket_refusal(name) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _bucket_refusal(name)
+    return fd
+
+
+NCCL_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+
 class NCCLTransport(WeightTransport):
-    """A NCCL broadcast from trainer rank 0 to a rollout server on a GPU (untested here).
+    """A NCCL broadcast from trainer rank 0 to a rollout server on a GPU (untested here: no GPU).
 
     The trainer (rank 0 of a 2-member group) and the server (rank 1) meet at
     ``host:port`` through vLLM's ``StatelessProcessGroup``; tensors go one by one through
     ``PyNcclCommunicator.broadcast``, described (names, shapes, dtypes) by the manifest
-    the server receives over HTTP before the broadcast starts.
+    the server receives over HTTP before the broadcast starts. Both sides build the
+    communicator once, at the first push, and keep it: the server one per trainer session
+    (a new session, a new communicator). The rendezvous unpickles what the other side
+    sends: only an authenticated trainer can make a server join one (docs/scaling.md#security).
 
     Args:
         host / port: where the trainer's rendezvous store listens (reachable by the server).
         device: the trainer's CUDA device for the broadcast.
+        connect_timeout_s: how long either side waits for the other at the rendezvous.
     """
 
     kind = "nccl"
+    resendable = False  # the tensors are gone once broadcast: a restarted server cannot be re-pushed
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 29555, device: int = 0):
-        self.host, self.port, self.device = host, port, device
+    def __init__(self, host: str = "127.0.0.1", port: int = 29555, device: int = 0, connect_timeout_s: float = 120.0):
+        self.host, self.port, self.device, self.connect_timeout_s = host, port, device, connect_timeout_s
         self._communicator = None
+        self._peer: Optional[tuple[str, int]] = None  # the receiving side's rendezvous
 
     @staticmethod
     def _require_cuda() -> None:
@@ -236,12 +345,12 @@ class NCCLTransport(WeightTransport):
         except ImportError as error:
             raise RuntimeError("NCCLTransport uses vLLM's PyNcclCommunicator: pip install -e '.[vllm]'") from error
 
-    @staticmethod
-    def _connect(host: str, port: int, rank: int, device: int):
+    def _connect(self, host: str, port: int, rank: int, device: int):
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=2)
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=2,
+                                             store_timeout=int(self.connect_timeout_s))
         return PyNcclCommunicator(group, device=torch.device("cuda", device))
 
     def describe(self, weights: list[tuple[str, Tensor]], version: int) -> Manifest:
@@ -263,29 +372,87 @@ class NCCLTransport(WeightTransport):
         from concurrent.futures import ThreadPoolExecutor
 
         manifest = self.send(weights, version)
-        with ThreadPoolExecutor(1) as pool:
+        pool = ThreadPoolExecutor(1)
+        try:
             reply = pool.submit(post, manifest)  # the server joins the group and receives
             if self._communicator is None:
-                self._communicator = self._connect(self.host, self.port, 0, self.device)
+                self._communicator = connect_unless_refused(
+                    lambda: self._connect(self.host, self.port, 0, self.device), reply, self.connect_timeout_s)
             for _, tensor in self._pending:
                 self._communicator.broadcast(tensor, src=0)
             self._pending = []
             return manifest, reply.result()
+        finally:
+            pool.shutdown(wait=False)
 
-    @staticmethod
-    def receive(manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
-        NCCLTransport._require_cuda()
-        communicator = NCCLTransport._connect(manifest["host"], manifest["port"], 1, torch.cuda.current_device())
-        for name, shape, dtype in zip(manifest["names"], manifest["shapes"], manifest["dtypes"]):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-            communicator.broadcast(tensor, src=0)
+    receive_device = "cuda"  # where received tensors are made (a test on CPU sets "cpu")
+
+    def receive(self, manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
+        self._require_cuda()
+        layout = nccl_layout(manifest)  # checked before the server joins anything
+        return self._receive((manifest["host"], manifest["port"]), *layout)
+
+    def _receive(self, peer: tuple[str, int], names: list[str], shapes: list[list[int]],
+                 dtypes: list[str]) -> Iterator[tuple[str, Tensor]]:
+        if self._communicator is None or self._peer != peer:  # one communicator per session (and trainer address)
+            self._communicator = self._connect(*peer, 1, torch.cuda.current_device() if self.receive_device == "cuda" else 0)
+            self._peer = peer
+        for name, shape, dtype in zip(names, shapes, dtypes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.receive_device)
+            self._communicator.broadcast(tensor, src=0)
             yield name, tensor
+
+
+def nccl_layout(manifest: Manifest) -> tuple[list[str], list[list[int]], list[str]]:
+    """A NCCL manifest's rendezvous and tensors, checked before the server joins anything."""
+    host, port = manifest.get("host"), manifest.get("port")
+    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError("a NCCL manifest needs host (a name) and port (1-65535) of the trainer's rendezvous")
+    names, shapes, dtypes = manifest.get("names"), manifest.get("shapes"), manifest.get("dtypes")
+    if not (isinstance(names, list) and isinstance(shapes, list) and isinstance(dtypes, list)
+            and len(names) == len(shapes) == len(dtypes)):
+        raise ValueError("a NCCL manifest needs names, shapes and dtypes, lists of one length")
+    for name, shape, dtype in zip(names, shapes, dtypes):
+        if not isinstance(name, str) or dtype not in NCCL_DTYPES or not isinstance(shape, list) \
+                or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"NCCL manifest entry {str(name)[:200]!r}: shape must be a list of sizes >= 0 and dtype one "
+                             f"of {NCCL_DTYPES}")
+    return names, shapes, dtypes
+
+
+def connect_unless_refused(connect: Callable[[], Any], reply: "Future", timeout_s: float, poll_s: float = 0.05):
+    """``connect()`` (a rendezvous that waits for the other side), given up as soon as ``reply``
+    (the server's answer to the push) fails: a refused push (no secret, another trainer, a bad
+    manifest) fails in moments, not after the rendezvous timeout. The abandoned rendezvous
+    thread ends at its own timeout."""
+    result: dict[str, Any] = {}
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            result["value"] = connect()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            result["error"] = error
+        done.set()
+
+    threading.Thread(target=attempt, name="nccl-rendezvous", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(poll_s):
+        if reply.done() and reply.exception() is not None:
+            raise reply.exception()
+        if reply.done():
+            raise RuntimeError("the server answered the NCCL push before joining the broadcast")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not join the NCCL rendezvous within {timeout_s:.0f} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 # the transports a server accepts, by manifest ``kind`` (never a class path from the network;
 # never in-process: its manifest holds live tensors, not something sent over a wire)
-RECEIVERS = {FolderTransport.kind: FolderTransport.receive, NCCLTransport.kind: NCCLTransport.receive}
+RECEIVERS: dict[str, type[WeightTransport]] = {FolderTransport.kind: FolderTransport, NCCLTransport.kind: NCCLTransport}
 
 
 __all__ = ["FolderTransport", "InProcessTransport", "NCCLTransport", "RECEIVERS", "WeightTransport", "WeightsChecksum",
-           "checksum_of"]
+           "checksum_of", "connect_unless_refused", "default_weights_root", "nccl_layout"]

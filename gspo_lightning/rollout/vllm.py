@@ -390,6 +390,7 @@ class VLLMEngine(RolloutEngine):
         self._checkpoint_dir: Optional[tempfile.TemporaryDirectory] = None
         self._sleeping: set[str] = set()
         self._weights_lost = False  # sleep level 2 discarded them: resend even an unchanged version
+        self._prefix_stale = False  # weights loaded while the KV cache slept: reset its prefix cache on waking
 
     # -- start -------------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> None:
@@ -496,8 +497,12 @@ class VLLMEngine(RolloutEngine):
         if leftover:
             raise RuntimeError(f"vLLM stopped reading weights with {leftover} tensor(s) left: it holds a partial update")
         self.llm.apply_model(_refresh_tied_heads)
-        if not self._sleeping:  # a sleeping KV cache was freed, prefix cache included
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        # cached KV blocks were computed by the old weights: a prompt seen before must not reuse
+        # them. A sleeping KV cache is reset when it wakes (vLLM drops it at sleep too; we do
+        # not rely on that)
+        self._prefix_stale = True
+        if not self._sleeping:
+            self._reset_prefix_cache()
         self.weights_version = version
         self._weights_lost = False
         return {"bytes": float(pairs.bytes), "tensors": float(pairs.tensors)}
@@ -515,6 +520,14 @@ class VLLMEngine(RolloutEngine):
         if self._sleeping:
             self.llm.wake_up(tags=sorted(self._sleeping))
             self._sleeping.clear()
+        if self._prefix_stale:
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():  # False: requests in flight held blocks (none here: one caller)
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight load (requests in flight): "
+                               "generations would reuse KV blocks of the old weights")
+        self._prefix_stale = False
 
     # -- generation --------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:

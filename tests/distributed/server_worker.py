@@ -85,7 +85,7 @@ def run(strategy_name: str, engine_name: str, out_dir: str, save_as: str):
     if engine_name == "server":
         module.worker.sync_weights(module.policy_version + 1, lambda: iter_policy_weights(module.policy))
         if trainer.global_rank == 0:
-            info = request_json(engine.urls[0], "/info")
+            info = request_json(engine.urls[0], "/info", secret=engine.secret)
             result.update(server_checksum=info["checksum"], server_version=info["version"], trainer_checksum=naive_checksum(full))
         module.worker.close()
     if trainer.global_rank == 0:

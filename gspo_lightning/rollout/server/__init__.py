@@ -1,11 +1,13 @@
 """A rollout server: any :class:`~gspo_lightning.rollout.engine.RolloutEngine` behind a small
-HTTP + JSON API, in four parts:
+HTTP + JSON API, in six parts:
 
 - ``host.py``: :class:`RolloutServer`, hosting an engine: the model's identity, weight loads
   and generations under one lock (a push waits for the generation in flight, and a
   generation never sees two versions);
 - ``lease.py``: :class:`SessionLease`, which trainer holds the server;
-- ``http.py``: the routes (the API table) and the request handler;
+- ``auth.py``: the shared secret (``GSPO_SERVER_TOKEN``) that every request but ``/health`` carries;
+- ``limits.py``: :class:`ServerLimits`, what one request may ask, and the checks of request bodies;
+- ``http.py``: the routes (the API table), the request handler and the hardened HTTP server;
 - ``command.py``: ``gspo serve``.
 """
 
@@ -15,7 +17,9 @@ EXPORTS = {
     **dict.fromkeys(["RolloutServer", "ServerSpec", "VersionError", "DEFAULT_ENGINE", "build_engine", "fingerprint",
                      "model_fingerprint"], "host"),
     **dict.fromkeys(["SessionError", "SessionLease"], "lease"),
-    **dict.fromkeys(["ROUTES", "http_server"], "http"),
+    **dict.fromkeys(["ROUTES", "RolloutHTTPServer", "http_server"], "http"),
+    **dict.fromkeys(["SECRET_ENV", "authorized", "is_loopback", "read_secret"], "auth"),
+    **dict.fromkeys(["BadRequest", "ServerLimits"], "limits"),
     **dict.fromkeys(["main", "spec_from_config", "spec_json"], "command"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

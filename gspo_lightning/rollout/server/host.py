@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from gspo_lightning.rollout.engine import EngineSpec, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.server.lease import SessionLease
-from gspo_lightning.rollout.transport import RECEIVERS, WeightsChecksum
+from gspo_lightning.rollout.server.limits import ServerLimits
+from gspo_lightning.rollout.transport import RECEIVERS, WeightsChecksum, WeightTransport, default_weights_root
 
 DEFAULT_ENGINE = {"class_path": "gspo_lightning.rollout.HFEngine", "init_args": {}}
 
@@ -91,12 +92,23 @@ class RolloutServer:
         lease_s: a trainer idle this long loses its hold (a crashed trainer frees the server).
         version_wait_s: how long a generation waits for the weights version it asks for
             (ranks of one trainer ask for the version rank 0 is pushing).
+        limits: what one request may ask (``limits.py``; the HTTP layer reads its own there).
+        weights_root: the only folder under which pushed weight folders are read
+            (``None``: ``/dev/shm``, else the temporary directory, where a trainer's
+            ``FolderTransport`` without a path writes).
     """
 
-    def __init__(self, spec: ServerSpec, lease_s: float = 120.0, version_wait_s: float = 120.0):
+    def __init__(self, spec: ServerSpec, lease_s: float = 120.0, version_wait_s: float = 120.0,
+                 limits: Optional[ServerLimits] = None, weights_root: Optional[str] = None):
         self.spec = spec
         self.lease = SessionLease(lease_s)
         self.version_wait_s = version_wait_s
+        self.limits = limits or ServerLimits()
+        self.weights_root = str(weights_root or default_weights_root())
+        # the receiving side of each transport, for one session: a NCCL communicator joins one trainer
+        self._receivers: dict[str, WeightTransport] = {}
+        self._receivers_session: Optional[str] = None
+        self.vocab_size = 0
         self.engine = build_engine(spec.engine)
         self.server_id = uuid.uuid4().hex
         self.version = -1
@@ -117,12 +129,14 @@ class RolloutServer:
         # the two round differently, so a frozen copy sampled ~1e-7 apart from the colocated engine
         model.eval()
         model.config.use_cache = False
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         eos = eos_token_ids(model, tokenizer)
         self.identity = {
             "model": spec.model_name_or_path, "architecture": type(model).__name__,
             "fingerprint": model_fingerprint(model),
             "eos_token_ids": sorted(eos), "pad_token_id": tokenizer.pad_token_id, "dtype": spec.dtype,
             "engine": f"{type(self.engine).__module__}.{type(self.engine).__qualname__}",
+            "max_new_tokens": self.limits.max_new_tokens or spec.response_length,
         }
         self.engine.start(EngineSpec(
             model_name_or_path=spec.model_name_or_path, dtype=spec.dtype, prompt_length=spec.prompt_length,
@@ -140,18 +154,29 @@ class RolloutServer:
                 "session": self.lease.held()}
 
     # -- weights -------------------------------------------------------------------------
+    def _receiver(self, kind: Any, token: str) -> WeightTransport:
+        """The receiving side of transport ``kind`` for the session ``token`` (hold the condition)."""
+        if kind not in RECEIVERS:
+            raise ValueError(f"unknown weight transport {str(kind)[:40]!r}; this server reads {sorted(RECEIVERS)}")
+        if token != self._receivers_session:  # another trainer: nothing of the last one's is reused
+            for receiver in self._receivers.values():
+                receiver.close()
+            self._receivers, self._receivers_session = {}, token
+        if kind not in self._receivers:
+            self._receivers[kind] = RECEIVERS[kind].receiver(self.weights_root)
+        return self._receivers[kind]
+
     def load(self, token: str, version: int, manifest: dict) -> dict:
         self.lease.hold(token)
-        receive = RECEIVERS.get(manifest.get("kind"))
-        if receive is None:
-            raise ValueError(f"unknown weight transport {manifest.get('kind')!r}; this server reads {sorted(RECEIVERS)}")
         start = time.perf_counter()
         with self.condition:
+            # a manifest the transport refuses (a folder outside the weights root...) changes nothing
+            stream = self._receiver(manifest.get("kind"), token).receive(manifest)
             received = WeightsChecksum()
             dtypes: dict[str, torch.dtype] = {}
 
             def pairs() -> Iterator[tuple[str, Tensor]]:
-                for name, tensor in receive(manifest):
+                for name, tensor in stream:
                     received.update(name, tensor)
                     dtypes[name] = tensor.dtype
                     yield name, tensor
@@ -161,8 +186,8 @@ class RolloutServer:
             self._load_pairs(pairs(), int(version))
             if received.hexdigest() != manifest.get("checksum"):
                 raise ValueError("the weights read differ from what the trainer sent (checksum): a partial or stale "
-                                 f"weights folder at {manifest.get('path')}")
-            self.checksum = self._held_checksum(manifest["names"], dtypes) or received.hexdigest()
+                                 f"weights folder at {str(manifest.get('path'))[:200]}")
+            self.checksum = self._held_checksum(list(dtypes), dtypes) or received.hexdigest()
             self.version = int(version)
             self.condition.notify_all()
         self.lease.hold(token)
@@ -197,10 +222,12 @@ class RolloutServer:
         return total.hexdigest()
 
     # -- generation ----------------------------------------------------------------------
-    def generate(self, token: str, prompt_ids: list[list[int]], n: int, params: dict, seed: int,
+    def generate(self, token: str, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int,
                  version: Optional[int]) -> dict:
+        """Responses to ``prompt_ids`` (checked by ``limits.generation_request`` when they come
+        over HTTP)."""
         self.lease.hold(token)
-        sampling = SamplingParams(**params)
+        sampling = params
         deadline = time.monotonic() + self.version_wait_s
         with self.condition:
             # a newer version is fine (a trainer that pushed while this request was on its way)
@@ -223,6 +250,8 @@ class RolloutServer:
         }
 
     def close(self) -> None:
+        for receiver in self._receivers.values():
+            receiver.close()
         self.engine.close()
 
 

@@ -1,0 +1,77 @@
+"""The rollout server's shared secret: who may make it generate, load weights or read files.
+
+Server and trainer hold the same secret, from ``GSPO_SERVER_TOKEN`` in their environment or
+from a file (``gspo serve --token_file``, ``RemoteEngine(token_file=...)``; never a value in a
+config file, which is saved to the run folder). Every request but ``GET /health`` carries it
+as ``Authorization: Bearer <secret>``; the server compares it in constant time. A server
+without a secret binds only loopback addresses. The secret authenticates, it does not
+encrypt: across machines, put the server behind a TLS proxy or an SSH tunnel
+(docs/scaling.md#security).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from pathlib import Path
+from typing import Mapping, Optional
+
+SECRET_ENV = "GSPO_SERVER_TOKEN"
+MIN_SECRET_CHARS = 16
+HOW_TO_MAKE_ONE = "e.g. `export GSPO_SERVER_TOKEN=$(openssl rand -hex 32)` on the server and the trainer"
+
+
+def read_secret(token_file: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The secret from ``token_file`` when given, else from ``$GSPO_SERVER_TOKEN``; ``None`` if neither.
+
+    Surrounding whitespace (a file's last newline) is not part of it; one shorter than
+    :data:`MIN_SECRET_CHARS` is refused (a guessable secret guards nothing)."""
+    if token_file:
+        path = Path(token_file).expanduser()
+        try:
+            secret, where = path.read_text().strip(), f"token file {path}"
+        except OSError as error:
+            raise ValueError(f"cannot read the rollout server's token file {path}: {error.strerror}") from None
+    else:
+        secret, where = environ.get(SECRET_ENV, "").strip(), f"${SECRET_ENV}"
+        if not secret:
+            return None
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"the rollout server secret in {where} has {len(secret)} characters; use at least "
+                         f"{MIN_SECRET_CHARS} random ones ({HOW_TO_MAKE_ONE})")
+    if not secret.isascii() or any(c.isspace() or not c.isprintable() for c in secret):
+        raise ValueError(f"the rollout server secret in {where} holds whitespace, control or non-ASCII characters: it "
+                         f"travels in an HTTP header; use letters and digits ({HOW_TO_MAKE_ONE})")
+    return secret
+
+
+def bearer(secret: Optional[str]) -> dict[str, str]:
+    """The header a client sends (none without a secret)."""
+    return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+def authorized(header: Optional[str], secret: Optional[str]) -> bool:
+    """Whether an ``Authorization`` header carries ``secret`` (always, for a server without one).
+
+    ``hmac.compare_digest`` takes as long for a wrong secret as for a nearly right one, so
+    the time of a refusal tells nothing about the secret."""
+    if secret is None:
+        return True
+    scheme, _, given = (header or "").partition(" ")
+    # compared even for a wrong scheme: a refusal takes the same time whatever was sent
+    return hmac.compare_digest(given.strip().encode(), secret.encode()) and scheme.lower() == "bearer"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only (``localhost``, 127.0.0.0/8, ``::1``).
+    Any other name counts as reachable from elsewhere, ``""`` and ``0.0.0.0`` (every interface) too."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+__all__ = ["MIN_SECRET_CHARS", "SECRET_ENV", "authorized", "bearer", "is_loopback", "read_secret"]
