@@ -14,9 +14,9 @@
 #
 # Settings (environment): PYTHON (a Python with transformers for part 5; default .venv/bin/python,
 # the environment .ci/run made), KEEP_BASE=1 / KEEP_IMAGE=1 reuse an existing base / image, PIP_CA (default the
-# host's CA bundle, given to pip in the build as a secret), WHEELS (default /opt/wheels: a folder of
-# wheels mounted into the build; the CPU torch wheel is there on these machines; empty: none, then
-# PIP_EXTRA_INDEX_URL, e.g. https://download.pytorch.org/whl/cpu, must provide torch+cpu).
+# host's CA bundle, given to pip in the build as a secret), WHEELS (default /opt/wheels where it
+# exists: a folder of wheels mounted into the build; the CPU torch wheel is there on these machines;
+# without one, PIP_EXTRA_INDEX_URL defaults to PyTorch's CPU index), PIP_INDEX_URL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -24,8 +24,11 @@ ROOT=$PWD
 BASE=${BASE:-localhost/debian:bookworm}
 IMAGE=${IMAGE:-localhost/gspo-lightning:cpu}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
-PIP_CA=${PIP_CA-/etc/ssl/certs/ca-certificates.crt}
-WHEELS=${WHEELS-/opt/wheels}
+# pip in the build: the host's CA bundle (a TLS-inspecting proxy re-signs PyPI here), the local
+# wheel folder where there is one, else PyTorch's CPU index for torch==2.13.0+cpu
+[ -f /etc/ssl/certs/ca-certificates.crt ] && PIP_CA=${PIP_CA-/etc/ssl/certs/ca-certificates.crt} || PIP_CA=${PIP_CA-}
+[ -d /opt/wheels ] && WHEELS=${WHEELS-/opt/wheels} || WHEELS=${WHEELS-}
+[ -n "$WHEELS" ] || [ -n "${PIP_INDEX_URL:-}" ] || PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 SERVER_PAIR=${SERVER_PAIR:-1}
 SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
 PODMAN="$SUDO podman"
@@ -104,7 +107,7 @@ else
     [ -n "$WHEELS" ] && build_args+=(-v "$WHEELS:/wheels:ro" --build-arg PIP_FIND_LINKS=/wheels)
     [ -n "${PIP_INDEX_URL:-}" ] && build_args+=(--build-arg PIP_INDEX_URL="$PIP_INDEX_URL")
     [ -n "${PIP_EXTRA_INDEX_URL:-}" ] && build_args+=(--build-arg PIP_EXTRA_INDEX_URL="$PIP_EXTRA_INDEX_URL")
-    $PODMAN build --no-cache --network host "${build_args[@]}" -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
+    $PODMAN build --no-cache --layers=false --network host "${build_args[@]}" -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
         || { tail -40 "$WORK/build.log"; exit 1; }
     grep -E "STEP [0-9]+/[0-9]+: (FROM|RUN)|^COMMIT|Successfully installed .*torch" "$WORK/build.log" | cut -c1-140 || true
 fi
