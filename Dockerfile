@@ -1,40 +1,81 @@
-# GPU image of gspo-lightning: torch 2.13.0 (the CUDA 13.0 build from PyPI), vLLM 0.32.0,
-# DeepSpeed and math-verify. Build and run: docs/docker.md. This file was written on a
-# machine without a Docker engine and has not been built there.
+# Images of gspo-lightning, one file for both (build and run: docs/docker.md):
 #
-# The devel image brings nvcc and a compiler: DeepSpeed and FlashInfer compile some CUDA
-# kernels the first time they are used, and Triton compiles small C launchers. A runtime
-# image (BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04) is smaller if you use neither.
+#   GPU (the defaults): CUDA 13 Ubuntu base, torch 2.13.0 (PyPI's CUDA 13.0 build), the
+#   project with its vllm, deepspeed and math extras.
+#       docker build -t gspo-lightning:gpu .
+#   CPU: any Debian/Ubuntu base with python3, torch's CPU build, the project alone.
+#       podman build --build-arg BASE_IMAGE=debian:bookworm --build-arg TORCH=torch==2.13.0+cpu \
+#         --build-arg EXTRAS= --build-arg BUILD_PACKAGES= --build-arg RUNTIME_PACKAGES= \
+#         --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu -t gspo-lightning:cpu .
+#
+# Two stages: `build` installs into the virtualenv /opt/venv with pip and whatever the network
+# needs (the PIP_* build arguments, a CA bundle); the image is a fresh base with /opt/venv
+# copied in, so neither those arguments nor compilers and headers it does not need end up in it.
 ARG BASE_IMAGE=nvidia/cuda:13.0.1-devel-ubuntu24.04
-FROM ${BASE_IMAGE}
 
-ENV DEBIAN_FRONTEND=noninteractive \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    VIRTUAL_ENV=/opt/venv \
-    PATH=/opt/venv/bin:$PATH
+FROM ${BASE_IMAGE} AS build
+# compilers and headers for packages without a wheel (GPU extras); none for the CPU image
+ARG BUILD_PACKAGES="python3-dev build-essential git"
+# torch first and pinned: vllm 0.32.0 pins torch==2.13.0, whose PyPI Linux wheel is the CUDA 13.0
+# build. The CPU image asks for torch==2.13.0+cpu, which only a CPU index or wheel folder has, so a
+# build that would fall back to the multi-GB CUDA wheel fails instead.
+ARG TORCH="torch==2.13.0"
+ARG EXTRAS="vllm,deepspeed,math"
+# Corporate networks (pip reads these from the environment; build arguments reach RUN steps of
+# this stage only): a package index or mirror, extra indexes, a wheel folder mounted into the
+# build, trusted hosts. A CA bundle for pip: `--secret id=pip_ca,src=/path/to/ca.pem`.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Ubuntu 24.04's python is 3.12 and refuses system-wide pip installs: use a virtualenv.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential git ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates ${BUILD_PACKAGES} \
     && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv \
-    && pip install --upgrade pip
+    && python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
 
-# torch first and pinned: vllm 0.32.0 pins torch==2.13.0, whose PyPI Linux wheel is the
-# CUDA 13.0 build (it brings its CUDA libraries as pip packages; the host needs a driver >= 580).
-RUN pip install torch==2.13.0
+# An unset build argument reaches the RUN step as an empty variable, which pip would read as
+# an empty value: drop those. The CA bundle is a build secret: mounted for this step only.
+RUN --mount=type=secret,id=pip_ca \
+    for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_TRUSTED_HOST; do \
+        [ -n "$(printenv $v)" ] || unset $v; done; \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi; \
+    pip install --upgrade pip && pip install "${TORCH}"
 
-WORKDIR /opt/gspo-lightning
-COPY . .
-RUN pip install ".[vllm,deepspeed,math]" \
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY gspo_lightning ./gspo_lightning
+RUN --mount=type=secret,id=pip_ca \
+    for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_TRUSTED_HOST; do \
+        [ -n "$(printenv $v)" ] || unset $v; done; \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi; \
+    pip install ".${EXTRAS:+[$EXTRAS]}" \
     && gspo --help > /dev/null
 
-# HF_HOME under /workspace: mount it to keep downloaded models between runs.
-ENV HF_HOME=/workspace/.cache/huggingface
+FROM ${BASE_IMAGE}
+# the GPU image keeps a compiler and Python's headers: DeepSpeed and FlashInfer compile CUDA
+# kernels the first time they are used, Triton compiles small C launchers
+ARG RUNTIME_PACKAGES="python3-dev build-essential"
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 ca-certificates ${RUNTIME_PACKAGES} \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/venv /opt/venv
+# The shipped configs, so `gspo fit --config configs/quickstart.yaml` runs as in the README.
+# /workspace is writable by any user (sticky, as /tmp): run with --user $(id -u):$(id -g) and
+# mount an output folder at /workspace/runs; caches (Hugging Face, Triton, matplotlib) go to
+# /workspace/.cache through HOME.
+COPY configs /workspace/configs
+RUN chmod 1777 /workspace
+ENV PATH=/opt/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/venv \
+    PYTHONUNBUFFERED=1 \
+    HOME=/workspace \
+    HF_HOME=/workspace/.cache/huggingface
 WORKDIR /workspace
-VOLUME ["/workspace/runs"]
 
 ENTRYPOINT ["gspo"]
 CMD ["--help"]
