@@ -213,3 +213,18 @@ def test_engines_sample_from_the_adapted_policy(base_folder, tmp_path, engine):
     adapted, _ = response_logprobs(module.policy, IDS, mask, 3)
     unadapted, _ = response_logprobs(base.eval(), IDS, mask, 3)
     assert (adapted - unadapted).abs().mean() > 100 * max(gaps.seen)
+
+
+def test_a_rollout_server_samples_from_the_adapted_policy(base_folder, tmp_path):
+    """Merged weights pushed to a rollout server (folder transport, base names): the gap of
+    every step stays at float32 level while the adapters move the policy."""
+    from gspo_lightning.rollout import RemoteEngine
+    from tests.helpers import serve_in_thread
+
+    app, httpd, url = serve_in_thread(base_folder, {"class_path": "gspo_lightning.rollout.HFEngine"},
+                                      prompt_length=8, response_length=5)
+    try:
+        test_engines_sample_from_the_adapted_policy(base_folder, tmp_path, lambda: RemoteEngine(urls=[url]))
+    finally:
+        httpd.shutdown()
+        app.close()

@@ -125,6 +125,10 @@ class MergedLoRAWeight:
     def __init__(self, base: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float):
         self.base, self.lora_a, self.lora_b, self.scaling = base, lora_a, lora_b, scaling
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.base.shape
+
     def numel(self) -> int:
         return self.base.numel()
 

@@ -52,9 +52,9 @@ from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine,
 from gspo_lightning.rollout.replies import check_generation_reply, check_weights_reply
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.auth import SECRET_ENV, bearer, read_secret
-from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, model_fingerprint
+from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, fingerprint
 from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
-from gspo_lightning.rollout.weight_sync import engine_name
+from gspo_lightning.rollout.weight_sync import engine_named_shapes
 
 START_HINT = ("start one with `gspo serve --config <your config> --port <port>` (on another machine with "
               f"{SECRET_ENV} set on both sides: docs/scaling.md#security), or set model.engine.init_args.urls: null "
@@ -215,7 +215,7 @@ class RemoteEngine(RolloutEngine):
             raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
         self.vocab_size = output_rows(spec.policy)
         self.identity = {
-            "fingerprint": model_fingerprint(spec.policy, engine_name),
+            "fingerprint": fingerprint(engine_named_shapes(spec.policy), spec.policy.config.to_dict()),
             "eos_token_ids": sorted(spec.eos_token_ids), "pad_token_id": spec.pad_token_id,
             "model": spec.model_name_or_path,
         }

@@ -95,6 +95,11 @@ def sharding_kind(model: nn.Module) -> str:
     return "plain"
 
 
+def engine_named_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
+    """The names and full shapes of what an engine receives (a LoRA policy: its base's)."""
+    return [(name, value.shape) for name, value in _named_params(model)]
+
+
 def _named_params(model: nn.Module) -> list[tuple[str, Tensor]]:
     if has_lora(model):  # the base model's names, each LoRA layer's weight merged when read
         return merged_named_weights(model, engine_name)
