@@ -48,11 +48,8 @@ def run_arm(name: str, config: str, out: Path, args) -> dict:
     rows = list(csv.DictReader(open(next(folder.rglob("metrics.csv")))))
     steps = [float(r["time/step"]) for r in rows if r.get("time/step")]
     accuracy = {}
-    for record in map(json.loads, open(next(folder.rglob("eval_results.jsonl")))):
+    for record in map(json.loads, open(next(folder.rglob("eval_results.jsonl")))):  # step: rollout steps done
         accuracy[int(record["step"])] = record.get("val/accuracy")
-    for r in rows:  # the untrained model's evaluation (step 0) is logged to the CSV only when measured
-        if r.get("val/accuracy") and int(r.get("step", -1)) not in accuracy:
-            accuracy[int(r["step"])] = float(r["val/accuracy"])
     ckpt = next(folder.rglob("last.ckpt"))
     export = next(folder.rglob("hf_model"))
     adapter = export / "adapter" / "adapter_model.safetensors"
