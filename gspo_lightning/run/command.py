@@ -51,6 +51,9 @@ class GSPOCLI(LightningCLI):
         # a plain class group (not add_lightning_class_args): instantiate_trainer adds the callback
         # itself, and only when checkpointing is on
         parser.add_class_arguments(ModelCheckpoint, "checkpoint", fail_untyped=False, sub_configs=True)
+        parser.add_argument("--export", choices=["last", "best"], default="last",
+                            help="the policy exported at the end of fit (model.export_on_fit_end): the last step's, or "
+                                 "the best held-out evaluation's (val/accuracy), kept as best.ckpt beside last.ckpt")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 50,
@@ -77,12 +80,33 @@ class GSPOCLI(LightningCLI):
             continue_log_versions(self.config.fit.trainer.logger, self.config.fit.ckpt_path)
 
     def instantiate_trainer(self, **kwargs):
+        from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+
+        from gspo_lightning.run.progress import RichStepProgressBar, progress_bar_for
+        from gspo_lightning.run.summary import RichRunSummary, RunSummary
+
         config = self.config_init.get(str(self.subcommand), self.config_init)
         trainer = {**config.get("trainer", {}), **kwargs}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        # our bar and summary from the start (Lightning's would be replaced by configure_callbacks,
+        # with a message saying so): step bar in a terminal, plain lines in a log
+        if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(progress_bar_for())
+        if trainer.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+            rich = any(isinstance(c, RichStepProgressBar) for c in callbacks)
+            callbacks.append(RichRunSummary() if rich else RunSummary())
         # --trainer.enable_checkpointing=false means no checkpoints, not a clash with ours
         if trainer.get("enable_checkpointing") is not False:
-            callbacks = trainer.get("callbacks") or []
-            kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), config.get("checkpoint")]
+            callbacks.append(config.get("checkpoint"))
+            if config.get("export") == "best":
+                from gspo_lightning.run.results import BestCheckpoint
+
+                callbacks.append(BestCheckpoint(dirpath=config.get("checkpoint").dirpath))
+        elif config.get("export") == "best":
+            raise ValueError("export: best keeps the best evaluation's weights as a checkpoint: it needs "
+                             "trainer.enable_checkpointing (or set --export=last)")
+        kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:

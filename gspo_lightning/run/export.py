@@ -10,6 +10,7 @@ import argparse
 import logging
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -17,25 +18,46 @@ log = logging.getLogger(__name__)
 
 
 def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
+    from transformers.utils import logging as hf_logging
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     policy.config.use_cache = True  # inference default for whoever loads it
-    policy.save_pretrained(out, safe_serialization=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar amid the run's output
+    try:
+        policy.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     policy.config.use_cache = False
     tokenizer.save_pretrained(out)
     check_auto_tokenizer(tokenizer, out)
     return out
 
 
-def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, is_global_zero: bool) -> None:
+def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, is_global_zero: bool, best=None,
+                     step: Optional[int] = None) -> None:
     """``export_on_fit_end``: the policy saved into ``folder`` by rank 0; a sharded policy is
-    not gathered here (a warning: export from the checkpoint)."""
+    not gathered here (a warning: export from the checkpoint). ``best``: the run's
+    ``BestCheckpoint`` (``--export=best``): its weights are exported, unless they are the last
+    step's (``step``) or no evaluation was kept."""
     if sharded:
         warnings.warn("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
         return
-    if is_global_zero:
-        save_policy(policy, tokenizer, folder)
-        print(f"policy exported to {folder}")
+    if not is_global_zero:
+        return
+    if best is not None and best.best_model_path and Path(best.best_model_path).is_file() and best.best_step != step:
+        export_checkpoint(best.best_model_path, folder)
+        score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+        print(f"policy exported to {folder}: the best held-out evaluation, step {best.best_step} "
+              f"({best.monitor} {score:.3g}; {best.best_model_path})")
+        return
+    save_policy(policy, tokenizer, folder)
+    if best is not None and not best.best_model_path:
+        print(f"policy exported to {folder}: the last step's (export: best, but no held-out evaluation was kept)")
+    else:
+        print(f"policy exported to {folder}" + (": the last step's, which is also the best held-out evaluation" if best is not None else ""))
 
 
 def check_auto_tokenizer(tokenizer, folder: Path) -> bool:
