@@ -73,6 +73,14 @@ class GSPOCLI(LightningCLI):
         parser.link_arguments("data.prompt_length", "model.prompt_length")
         parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
 
+    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        # checkpoints hold tensors and plain values only: load them without running pickled code
+        # (and without torch's warning that weights_only was not set)
+        if any(getattr(a, "dest", None) == "weights_only" for a in parser._actions):
+            parser.set_defaults(weights_only=True)
+        return parser
+
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
         run_folder_loggers(trainer.logger, trainer.default_root_dir)
@@ -202,6 +210,25 @@ def current_class_path(class_path: str) -> str:
     return f"{moved_target(module) or module}.{name}"
 
 
+# Lightning's messages that say nothing to a GSPO run's user: an advertisement, and the notes
+# that our progress bar and summary replaced Lightning's
+QUIET_INFO = ("💡 Tip:", "Trainer already configured with model summary callbacks",
+              "The following callbacks returned in `LightningModule.configure_callbacks` will override")
+
+
+def quiet_lightning_info() -> None:
+    import logging
+
+    class Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith(QUIET_INFO)
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(type(f).__name__ == "Quiet" for f in logger.filters):  # once per process
+            logger.addFilter(Quiet())
+
+
 # Warnings that say nothing actionable for a GSPO run.
 QUIET = [
     ".*Using ModelCheckpoint with manual optimization.*",  # GSPO steps the optimizer itself, by design
@@ -217,7 +244,10 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from gspo_lightning.errors import NonFiniteError, RolloutServerError
     from gspo_lightning.rewards.base import RewardError
 
-    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    # MisconfigurationException: Lightning's refusal of a value (--trainer.max_steps=-5)
+    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError, MisconfigurationException)
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -227,6 +257,7 @@ def main(args: Optional[list[str]] = None) -> None:
 
     from gspo_lightning.data.datamodule import PromptDataModule
     from gspo_lightning.run.preemption import Preempted
+    from gspo_lightning.run.usage import GSPOArgumentParser, UsageError, short_message
     from gspo_lightning.training.module import GSPOModule
 
     argv = sys.argv[1:] if args is None else list(args)
@@ -242,6 +273,7 @@ def main(args: Optional[list[str]] = None) -> None:
 
     for pattern in QUIET:
         warnings.filterwarnings("ignore", message=pattern)
+    quiet_lightning_info()
     try:
         GSPOCLI(
             GSPOModule,
@@ -251,7 +283,14 @@ def main(args: Optional[list[str]] = None) -> None:
             save_config_kwargs={"overwrite": True},
             args=None if args is None else argv,
             auto_configure_optimizers=False,
+            parser_class=GSPOArgumentParser,
         )
+    except UsageError as err:
+        if debug:
+            raise
+        command = next((a for a in argv if not a.startswith("-")), "fit")
+        print(f"gspo: error: {short_message(err, command)}", file=sys.stderr)
+        sys.exit(2)
     except Preempted as stop:
         print(f"gspo: {stop}", file=sys.stderr)
     except SIGTERMException:
