@@ -84,8 +84,9 @@ class HeldOutResults(L.Callback):
         first, last = scored[0], scored[-1]
         best = max(scored, key=lambda e: e[1])  # the earliest of equal scores, as best.ckpt keeps
         name = self.metric.split("/", 1)[-1]
-        parts = [f"{'untrained' if first[0] == 0 else 'first'} {first[1]:.3g} (step {first[0]})",
-                 f"best {best[1]:.3g} (step {best[0]})", f"last {last[1]:.3g} (step {last[0]})"]
+        parts = [f"{'untrained' if first[0] == 0 else 'first'} {first[1]:.3g} (step {first[0]})"]
+        if len(scored) > 1:
+            parts += [f"best {best[1]:.3g} (step {best[0]})", f"last {last[1]:.3g} (step {last[0]})"]
         return f"held-out {name}: " + " -> ".join(parts)
 
     def on_fit_end(self, trainer, pl_module) -> None:
