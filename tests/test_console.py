@@ -1,0 +1,169 @@
+"""The run as a user sees it: what the ``gspo`` command prints (no terminal, as under nohup or
+SLURM), the files it writes, its errors and its help."""
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+NOISE = ["Tip:", "Writing model shards", "will override existing callbacks", "weights_only", "Traceback",
+         "Trainer already configured"]
+
+
+def gspo(*args, cwd=ROOT, timeout=600, **popen):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "gspo_lightning.cli", *args]
+    if popen:
+        return subprocess.Popen(command, cwd=cwd, env=env, text=True, **popen)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def quickstart(run: Path, *extra):
+    return ["fit", "--config", QUICKSTART, f"--trainer.default_root_dir={run}", "--trainer.max_steps=20",
+            "--trainer.val_check_interval=10", *extra]
+
+
+def metric_rows(run: Path) -> list[dict]:
+    with open(run / "csv" / "version_0" / "metrics.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def assert_one_numbering(run: Path, steps: int, every: int) -> None:
+    """Every step's row once, numbered 1..steps; evaluations at 0, every, 2 every... in
+    metrics.csv and eval_results.jsonl alike."""
+    rows = metric_rows(run)
+    trained = [int(float(r["step"])) for r in rows if r.get("reward/mean")]
+    assert trained == list(range(1, steps + 1))
+    evaluated = [int(float(r["step"])) for r in rows if r.get("val/accuracy")]
+    assert evaluated == list(range(0, steps + 1, every))
+    jsonl = [json.loads(line) for line in (run / "csv" / "version_0" / "eval_results.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in jsonl] == evaluated
+    assert [e["policy_version"] for e in jsonl] == [4 * s for s in evaluated]  # 4 optimizer steps a step
+
+
+@pytest.mark.slow
+def test_a_run_without_a_terminal_prints_progress_lines_phases_and_held_out_results(tmp_path):
+    run = tmp_path / "run"
+    out = gspo(*quickstart(run, "--export=best", "--trainer.callbacks+=gspo_lightning.run.LineProgressBar",
+                           "--trainer.callbacks.every_n_steps=5", "--trainer.callbacks.interval_s=0.5"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    # a line every 5 steps (and the first), with the reward and the time left
+    steps = [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/20  reward [\d.]+  step_s", line))]
+    assert {1, 5, 10, 15, 20} <= set(steps), out.stdout
+    # slow steps (here: over interval_s=0.5 s since the last line) name their phase, ticking
+    assert any(re.match(r"step \d+/20  (generating 128 responses|log-probs|update \d/4 optimizer steps)", line)
+               for line in lines), out.stdout
+    # held-out results when measured, and untrained -> best -> last at the end
+    assert "held-out at step 0 (untrained): accuracy 0  pass@1 0  reward_mean 0" in out.stdout
+    assert any(line.startswith("held-out at step 10: accuracy ") for line in lines)
+    summary = next(line for line in lines if line.startswith("held-out accuracy: "))
+    assert re.fullmatch(r"held-out accuracy: untrained 0 \(step 0\) -> best [\d.]+ \(step (10|20)\) -> "
+                        r"last [\d.]+ \(step 20\)", summary), summary
+    assert "policy exported to" in out.stdout and (run / "csv/version_0/checkpoints/best.ckpt").is_file()
+    for noise in NOISE:
+        assert noise not in out.stdout + out.stderr, noise
+    assert_one_numbering(run, 20, 10)
+
+
+TRAINING_CALLS = {"n": 0}
+
+
+def successor_reward_then_ctrl_c(prompts, completions, **columns):
+    """The quickstart's reward; presses Ctrl-C during the step given by ``CTRL_C_AT_STEP``
+    (counting training calls: 128 responses, where an evaluation scores 32 at a time)."""
+    from gspo_lightning.data.tasks.successor import successor_reward
+
+    if len(completions) == 128:
+        TRAINING_CALLS["n"] += 1
+        if TRAINING_CALLS["n"] == int(os.environ["CTRL_C_AT_STEP"]):
+            os.kill(os.getpid(), signal.SIGINT)
+    return successor_reward(prompts, completions, **columns)
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_an_evaluation_step_then_resume_keeps_every_row_and_evaluation(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("CTRL_C_AT_STEP", "10")
+    out = gspo(*quickstart(run, "--model.export_on_fit_end=false",
+                           '--model.rewards=[{"function": "tests.test_console.successor_reward_then_ctrl_c"}]'))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "checkpoint written to" in out.stdout and "at step 10;" in out.stdout, out.stdout
+    assert "held-out at step 10: accuracy" in out.stdout  # the evaluation due at the stop ran before it
+    assert "step 11/" not in out.stdout
+    ckpt = run / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+
+    out = gspo(*quickstart(run, "--model.export_on_fit_end=false", f"--ckpt_path={ckpt}"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = next(line for line in out.stdout.splitlines() if line.startswith("step "))
+    assert first.startswith("step 11/20  reward"), out.stdout  # the bar's total and count go on
+    assert "held-out at step 20: accuracy" in out.stdout and "untrained 0 (step 0)" in out.stdout
+    for noise in NOISE:
+        assert noise not in out.stdout + out.stderr, noise
+    assert_one_numbering(run, 20, 10)
+
+
+def test_unknown_keys_and_bad_values_are_one_line_naming_the_fix(tmp_path):
+    out = gspo("fit", "--config", QUICKSTART, "--model.clip_hihg=4e-4")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("gspo: error: unknown key model.clip_hihg: did you mean model.clip_high? "
+                                  "(gspo fit --help lists the keys)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(QUICKSTART).read_text().replace("  response_length: 6", "  response_lenght: 6"))
+    out = gspo("fit", "--config", str(bad))
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "gspo: error: unknown key model.response_lenght: did you mean model.response_length? (gspo fit --help lists the keys)"]
+    out = gspo("fit", "--config", QUICKSTART, "--trainer.max_steps=-5", f"--trainer.default_root_dir={tmp_path}")
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert errors == ["gspo: error: `max_steps` must be a non-negative integer or -1 (infinite steps). You passed in -5."]
+
+
+def test_closest_key():
+    from gspo_lightning.run.usage import closest_key
+
+    keys = ["model.clip_high", "model.clip_low", "trainer.max_steps", "data.rollout_batch_size"]
+    assert closest_key("model.clip_hihg", keys) == "model.clip_high"
+    assert closest_key("clip_low", keys) == "model.clip_low"  # the section left out
+    assert closest_key("data.rollout_batchsize", keys) == "data.rollout_batch_size"
+    assert closest_key("model.banana", keys) is None
+
+
+def test_help_says_what_gspo_is_and_fit_help_is_short_fast_and_true(tmp_path):
+    out = gspo("--help")
+    assert "Group Sequence Policy Optimization" in out.stdout
+    assert all(f"\n  {name} " in out.stdout for name in ("fit", "validate", "test", "serve"))
+    start = time.perf_counter()
+    out = gspo("fit", "--help")
+    assert out.returncode == 0 and time.perf_counter() - start < 10  # the full one builds the parser: torch, Lightning
+    text = out.stdout
+    assert len(text.splitlines()) < 70 and "--help-all" in text
+    for group in ("run", "trainer", "model", "algorithm", "data", "checkpoints"):
+        assert re.search(rf"^{group}\b", text, re.M), group
+    # every key it names is a key of gspo fit
+    from gspo_lightning.data.datamodule import PromptDataModule
+    from gspo_lightning.run.command import GSPOCLI
+    from gspo_lightning.run.usage import known_keys
+    from gspo_lightning.training.module import GSPOModule
+
+    class ParseOnly(GSPOCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            pass
+
+    cli = ParseOnly(GSPOModule, PromptDataModule, args=["fit"], auto_configure_optimizers=False)
+    keys = set(known_keys(cli._subcommand_parsers["fit"])) | {"config", "print_config", "debug"}
+    named = {m.group(1) for m in re.finditer(r"--([\w.]+)", text)} - {"help", "help-all", "section.key"}
+    unknown = {k for k in named if k not in keys and not any(k.startswith(f"{key}.init_args.") for key in keys)}
+    assert len(named) > 30 and not unknown, sorted(unknown)
