@@ -49,8 +49,8 @@ data
 
 checkpoints (Lightning's ModelCheckpoint)
   --checkpoint.every_n_train_steps N        last.ckpt every N steps (and at the end)
-  --checkpoint.save_weights_only true       no optimizer state: about a third of the size, but a
-                                            resumed run restarts the optimizer
+  --checkpoint.save_weights_only true       no optimizer state: about a third of the size; it
+                                            exports and evaluates, but cannot resume a run
   --checkpoint.monitor=step --checkpoint.mode=max --checkpoint.save_top_k=K   keep the K newest
   --trainer.enable_checkpointing false      none at all
 """
