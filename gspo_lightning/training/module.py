@@ -61,7 +61,7 @@ from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.run.loggers import logger_identity
 from gspo_lightning.run.phases import PHASES
-from gspo_lightning.run.results import counts_as_evaluation
+from gspo_lightning.run.results import HeldOutResults, best_checkpoint, counts_as_evaluation
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
@@ -333,7 +333,6 @@ class GSPOModule(L.LightningModule):
         from gspo_lightning.run.plotting import TrainingCurves
         from gspo_lightning.run.preemption import PreemptionCheckpoint
         from gspo_lightning.run.progress import step_progress_bar
-        from gspo_lightning.run.results import HeldOutResults
         from gspo_lightning.run.summary import run_summary
 
         trainer = self.trainer
@@ -404,7 +403,6 @@ class GSPOModule(L.LightningModule):
                              f"To continue from this checkpoint, set --trainer.max_steps above {step}")
         if self.hparams.export_on_fit_end:
             from gspo_lightning.run.export import export_after_fit
-            from gspo_lightning.run.results import best_checkpoint
 
             folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
             export_after_fit(self.policy, self.tokenizer, folder, sharded=self.sharded, is_global_zero=self.trainer.is_global_zero,
