@@ -34,7 +34,7 @@ class Phase:
         if self.total:
             text += f" {min(self.done, self.total)}/{self.total} {self.unit}".rstrip()
         if self.tokens is not None:
-            text += f"{',' if self.total else ''} token {self.tokens[0]}/{self.tokens[1]}"
+            text += f", token {self.tokens[0]}/{self.tokens[1]}"
         return text
 
 
