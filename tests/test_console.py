@@ -72,6 +72,27 @@ def test_a_run_without_a_terminal_prints_progress_lines_phases_and_held_out_resu
     assert_one_numbering(run, 20, 10)
 
 
+def slow_successor_reward(prompts, completions, **columns):
+    """The quickstart's reward, 1.5 s slower on training steps: steps slower than interval_s."""
+    from gspo_lightning.data.tasks.successor import successor_reward
+
+    if len(completions) == 128:
+        time.sleep(1.5)
+    return successor_reward(prompts, completions, **columns)
+
+
+@pytest.mark.slow
+def test_slow_steps_print_their_phase_as_it_starts(tmp_path):
+    out = gspo("fit", "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=4",
+               "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--model.export_on_fit_end=false",
+               '--model.rewards=[{"function": "tests.test_console.slow_successor_reward"}]',
+               "--trainer.callbacks+=gspo_lightning.run.LineProgressBar", "--trainer.callbacks.interval_s=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    # after the first slow step, the display names the phase of each step: scoring is part of generating
+    phases = re.findall(r"^step (\d)/4  generating 128 responses, token 6/6  0:00:0\d in this phase", out.stdout, re.M)
+    assert {"2", "3", "4"} <= set(phases), out.stdout
+
+
 TRAINING_CALLS = {"n": 0}
 
 
