@@ -77,7 +77,7 @@ def slow_successor_reward(prompts, completions, **columns):
     from gspo_lightning.data.tasks.successor import successor_reward
 
     if len(completions) == 128:
-        time.sleep(1.5)
+        time.sleep(float(os.environ.get("SLOW_REWARD_S", "1.5")))
     return successor_reward(prompts, completions, **columns)
 
 
@@ -209,3 +209,41 @@ def test_a_slow_step_prints_its_phase_every_interval_and_as_each_phase_starts(ca
     bar._tick()
     assert capsys.readouterr().out.startswith("step 3/8  generating 128 responses, token 12/32  0:00:00 in this phase")
     PHASES.end(None)
+
+
+def in_a_terminal(args, env_extra, timeout=300) -> str:
+    """What ``gspo`` writes to a terminal (a pseudo-terminal, 120 columns), escapes and all."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "120", "LINES": "40", **env_extra}
+    proc = subprocess.Popen([sys.executable, "-m", "gspo_lightning.cli", *args], cwd=ROOT, env=env,
+                            stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=30)
+    os.close(master)
+    assert proc.returncode == 0, b"".join(chunks)[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_in_a_terminal_the_bar_names_the_phase_of_a_slow_step_and_a_resumed_run_keeps_its_total(tmp_path):
+    base = ["fit", "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=0",
+            "--trainer.num_sanity_val_steps=0", "--model.export_on_fit_end=false",
+            '--model.rewards=[{"function": "tests.test_console.slow_successor_reward"}]']
+    text = in_a_terminal([*base, "--trainer.max_steps=2"], {"SLOW_REWARD_S": "3"})
+    assert "step · generating 128 responses, token 6/6" in text  # the bar's title, after 2 s of a step
+    assert "2/2" in text and "Epoch" not in text
+    ckpt = tmp_path / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+    text = in_a_terminal([*base, "--trainer.max_steps=4", f"--ckpt_path={ckpt}"], {"SLOW_REWARD_S": "0"})
+    totals = set(re.findall(r"\b(\d+)/(\d+)\b", text))
+    assert ("4", "4") in totals and {total for _, total in totals} == {"4"}, totals

@@ -138,10 +138,22 @@ class RichStepProgressBar(RichProgressBar):
     def _get_train_description(self, current_epoch: int) -> str:
         return f"{DESCRIPTION:{len(self.validation_description)}}"  # padded: no flicker beside "Validation"
 
+    @property
+    def total_train_batches(self):
+        return _total_steps(self.trainer, super().total_train_batches)
+
+    def _add_task(self, total_batches, description: str, visible: bool = True):
+        if description != self._get_train_description(0):
+            return super()._add_task(total_batches, description, visible)
+        # drawn from the start at the step it resumes from, out of max_steps: no "0/<batches>" first
+        label = f"[{self.theme.description}]{description}" if self.theme.description else description
+        return self.progress.add_task(label, total=total_batches, completed=self.trainer.global_step, visible=visible)
+
     def _tick(self) -> None:
         if self.progress is not None and self.train_progress_bar_id is not None and self.trainer.training:
             title = phase_title(self._step_started, time.monotonic())
             self.progress.update(self.train_progress_bar_id, description=f"{title:{len(self.validation_description)}}")
+            self.refresh()  # Lightning's refresh thread redraws only when asked: the elapsed time ticks too
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)

@@ -109,8 +109,12 @@ class BestCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: Optional[str] = None, monitor: str = HELD_OUT_METRIC) -> None:
         super().__init__(dirpath=dirpath, filename="best", monitor=monitor, mode="max", save_top_k=1,
                          save_weights_only=True, auto_insert_metric_name=False, enable_version_counter=False,
-                         save_last=False)
+                         save_last=False, save_on_train_epoch_end=False)
         self.best_step: Optional[int] = None
+
+    def _save_topk_checkpoint(self, trainer, monitor_candidates: dict) -> None:
+        if self.monitor in monitor_candidates:  # no evaluation in this run (yet): nothing to keep, no warning
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         self.best_step = trainer.global_step
