@@ -247,3 +247,36 @@ def test_in_a_terminal_the_bar_names_the_phase_of_a_slow_step_and_a_resumed_run_
     text = in_a_terminal([*base, "--trainer.max_steps=4", f"--ckpt_path={ckpt}"], {"SLOW_REWARD_S": "0"})
     totals = set(re.findall(r"\b(\d+)/(\d+)\b", text))
     assert ("4", "4") in totals and {total for _, total in totals} == {"4"}, totals
+
+
+@pytest.mark.slow
+def test_wandb_offline_beside_csv_writes_into_the_run_folder_only(tmp_path):
+    pytest.importorskip("wandb")
+    cwd, run = tmp_path / "cwd", tmp_path / "run"
+    cwd.mkdir()
+    out = gspo("fit", "--config", QUICKSTART, f"--trainer.default_root_dir={run}", "--trainer.max_steps=2",
+               "--trainer.val_check_interval=2", "--trainer.logger+=lightning.pytorch.loggers.WandbLogger",
+               "--trainer.logger.init_args.offline=true", cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not list(cwd.iterdir()), "the run wrote into the working directory"
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run in the run folder"
+    version = run / "csv" / "version_0"  # CSV first: the run's own files stay where they always are
+    for name in ("metrics.csv", "eval_results.jsonl", "config.yaml", "training_curves.png", "hf_model",
+                 "checkpoints/last.ckpt", "checkpoints/best.ckpt"):
+        assert (version / name).exists(), name
+    assert "held-out accuracy: untrained 0 (step 0)" in out.stdout
+
+
+@pytest.mark.slow
+def test_wandb_alone_still_keeps_the_run_in_its_folder(tmp_path):
+    pytest.importorskip("wandb")
+    cwd, run = tmp_path / "cwd", tmp_path / "run"
+    cwd.mkdir()
+    out = gspo("fit", "--config", QUICKSTART, f"--trainer.default_root_dir={run}", "--trainer.max_steps=2",
+               "--trainer.val_check_interval=2", "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
+               "--trainer.logger.init_args.offline=true", cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not list(cwd.iterdir()), "the run wrote into the working directory"
+    for name in ("eval_results.jsonl", "config.yaml", "training_curves.png", "hf_model/model.safetensors"):
+        assert (run / name).exists(), name
+    assert list(run.glob("lightning_logs/*/checkpoints/last.ckpt"))

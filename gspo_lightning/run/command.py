@@ -151,18 +151,30 @@ class GSPOCLI(LightningCLI):
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+# ``save_dir`` defaults that mean "the working directory" (W&B's ".", MLflow's "./mlruns"): the
+# run folder instead, keeping the last part ("<run folder>/mlruns")
+WORKING_DIRECTORY_DEFAULTS = (".", "./", "./mlruns")
+
+
 def run_folder_loggers(loggers, default_root_dir: Optional[str]) -> None:
-    """Loggers with no ``save_dir`` write under the run folder, ``trainer.default_root_dir``
-    (``runs`` when unset), so ``--trainer.default_root_dir=DIR`` moves the logs and, with
-    them, the checkpoints (Lightning puts them in the first logger's version folder)."""
+    """Loggers with no ``save_dir`` (or the working directory, W&B's and MLflow's defaults) write
+    under the run folder, ``trainer.default_root_dir`` (``runs`` when unset), so
+    ``--trainer.default_root_dir=DIR`` moves the logs and, with them, the checkpoints (Lightning
+    puts them in the first logger's version folder), whatever the loggers."""
     from jsonargparse import Namespace
 
     from gspo_lightning.run.loggers import DEFAULT_SAVE_DIR
 
+    root = Path(default_root_dir or DEFAULT_SAVE_DIR)
     for entry in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(entry, "init_args", None)
-        if isinstance(entry, Namespace) and args is not None and "save_dir" in args and args.get("save_dir") is None:
-            args["save_dir"] = str(default_root_dir or DEFAULT_SAVE_DIR)
+        if not isinstance(entry, Namespace) or args is None or "save_dir" not in args:
+            continue
+        save_dir = args.get("save_dir")
+        if save_dir is None:
+            args["save_dir"] = str(root)
+        elif str(save_dir) in WORKING_DIRECTORY_DEFAULTS:
+            args["save_dir"] = str(root / Path(str(save_dir)).name) if Path(str(save_dir)).name else str(root)
 
 
 def tokenizer_source(model_name_or_path: str, gguf_file: Optional[str] = None) -> str:
