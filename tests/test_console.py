@@ -19,8 +19,8 @@ NOISE = ["Tip:", "Writing model shards", "will override existing callbacks", "we
          "Trainer already configured"]
 
 
-def gspo(*args, cwd=ROOT, timeout=600, **popen):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def gspo(*args, cwd=ROOT, timeout=600, env=None, **popen):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     command = [sys.executable, "-m", "gspo_lightning.cli", *args]
     if popen:
         return subprocess.Popen(command, cwd=cwd, env=env, text=True, **popen)
@@ -280,3 +280,36 @@ def test_wandb_alone_still_keeps_the_run_in_its_folder(tmp_path):
     for name in ("eval_results.jsonl", "config.yaml", "training_curves.png", "hf_model/model.safetensors"):
         assert (run / name).exists(), name
     assert list(run.glob("lightning_logs/*/checkpoints/last.ckpt"))
+
+
+def test_a_hub_id_the_hub_cannot_serve_fails_at_once_in_one_line(tmp_path):
+    """No network (here: the hub's address refuses connections): one error line, no retry loop."""
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # port 9: nothing listens
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE"):
+        env[name] = ""
+    start = time.perf_counter()
+    proc = gspo("fit", "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}",
+                "--model.model_name_or_path=gspo-lightning-tests/no-such-model", stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    assert "Retrying" not in err and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("gspo: error:")]
+    assert len(errors) == 1 and "cannot load model 'gspo-lightning-tests/no-such-model'" in errors[0]
+    assert time.perf_counter() - start < 120  # the retry loop alone took most of a minute
+
+
+def test_hub_reachable_tries_one_connection():
+    import socket
+
+    from gspo_lightning.models.hub import hub_reachable
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert hub_reachable(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=2) is True
+    with socket.socket() as closed:  # a port just freed: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert hub_reachable(f"http://127.0.0.1:{port}", timeout=2) is False
+    assert hub_reachable("https://no-such-host.invalid", timeout=2) is False

@@ -7,6 +7,7 @@ EXPORTS = {
     **dict.fromkeys(["load_policy", "load_tokenizer", "eos_token_ids", "check_model_source"], "loading"),
     **dict.fromkeys(["ModelSourceError", "resolve_model", "is_gguf_builtin"], "gguf"),
     **dict.fromkeys(["cache_kwargs", "output_cache"], "hf_cache"),
+    **dict.fromkeys(["hub_reachable", "go_offline"], "hub"),
     **dict.fromkeys(["RoutingRecorder", "RoutingChange", "RouterLogitsCapture", "load_balancing_loss"], "moe"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
