@@ -313,3 +313,19 @@ def test_hub_reachable_tries_one_connection():
         port = closed.getsockname()[1]
     assert hub_reachable(f"http://127.0.0.1:{port}", timeout=2) is False
     assert hub_reachable("https://no-such-host.invalid", timeout=2) is False
+
+
+@pytest.mark.slow
+def test_gspo_test_of_a_checkpoint_prints_one_line_with_its_step(tmp_path):
+    out = gspo("fit", "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2",
+               "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--model.export_on_fit_end=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = tmp_path / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+    out = gspo("test", "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={ckpt}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.fullmatch(r"test at step 2: accuracy [\d.]+  pass@1 [\d.]+  reward_mean [\d.]+  response_length [\d.]+\n",
+                        out.stdout), out.stdout  # no table beside it
+    for noise in [*NOISE, "dirpath has changed", "callbacks used to create the checkpoint"]:
+        assert noise not in out.stdout + out.stderr, noise
+    record = json.loads((tmp_path / "csv" / "version_1" / "eval_results.jsonl").read_text())
+    assert record["step"] == 2 and record["policy_version"] == 8

@@ -79,6 +79,8 @@ class GSPOCLI(LightningCLI):
         # (and without torch's warning that weights_only was not set)
         if any(getattr(a, "dest", None) == "weights_only" for a in parser._actions):
             parser.set_defaults(weights_only=True)
+        if any(getattr(a, "dest", None) == "verbose" for a in parser._actions):
+            parser.set_defaults(verbose=False)  # validate / test: run/results.py prints the results in one line
         return parser
 
     def before_instantiate_classes(self) -> None:
@@ -104,8 +106,11 @@ class GSPOCLI(LightningCLI):
         if trainer.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
             rich = any(isinstance(c, RichStepProgressBar) for c in callbacks)
             callbacks.append(RichRunSummary() if rich else RunSummary())
+        if self.subcommand in ("validate", "test"):
+            # nothing to save, and no checkpoint callback to warn that its folder is not the checkpoint's
+            kwargs["enable_checkpointing"] = False
         # --trainer.enable_checkpointing=false means no checkpoints, not a clash with ours
-        if trainer.get("enable_checkpointing") is not False:
+        elif trainer.get("enable_checkpointing") is not False:
             callbacks.append(config.get("checkpoint"))
             if config.get("export") == "best":
                 from gspo_lightning.run.results import BestCheckpoint
@@ -285,6 +290,9 @@ def main(args: Optional[list[str]] = None) -> None:
 
     for pattern in QUIET:
         warnings.filterwarnings("ignore", message=pattern)
+    if next((a for a in argv if not a.startswith("-")), None) in ("validate", "test"):
+        # they load a checkpoint's weights only: the callbacks that wrote it have nothing to restore
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint need to be provided.*")
     quiet_lightning_info()
     try:
         GSPOCLI(

@@ -34,6 +34,12 @@ def counts_as_evaluation(trainer) -> bool:
     return not trainer.sanity_checking or (trainer.global_step == 0 and whole_sanity_check(trainer))
 
 
+def eval_step(trainer, pl_module) -> int:
+    """The step an evaluation is of: Lightning's step in ``fit``; in ``validate`` / ``test``, which
+    restore a checkpoint's weights but not Lightning's counter, the module's (``rollout_steps``)."""
+    return trainer.global_step if trainer.state.fn == "fit" else getattr(pl_module, "rollout_steps", trainer.global_step)
+
+
 def format_results(values: dict[str, float]) -> str:
     """``accuracy 0.531  pass@1 0.531  reward_mean 0.715  response_length 6``, most telling first."""
     def rank(key: str) -> tuple[int, str]:
@@ -56,25 +62,26 @@ class HeldOutResults(L.Callback):
         bar = trainer.progress_bar_callback
         (bar.print if bar is not None else print)(text)
 
-    def _record(self, trainer, stage: str) -> None:
+    def _record(self, trainer, pl_module, stage: str) -> None:
         values = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")}
         if not values or not counts_as_evaluation(trainer):
             return
-        step = trainer.global_step
+        fitting = trainer.state.fn == "fit"
+        step = eval_step(trainer, pl_module)
         if trainer.sanity_checking:  # Lightning logs nothing of a sanity check: step 0 of every curve
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=0)
                 logger.save()
-        if stage == "val" and trainer.state.fn == "fit":
+        if stage == "val" and fitting:
             self.evaluations = [e for e in self.evaluations if e[0] != step] + [(step, values)]
         label = {"val": "held-out", "test": "test"}[stage]
         self._say(trainer, f"{label} at step {step}{' (untrained)' if step == 0 else ''}: {format_results(values)}")
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._record(trainer, "val")
+        self._record(trainer, pl_module, "val")
 
     def on_test_end(self, trainer, pl_module) -> None:
-        self._record(trainer, "test")
+        self._record(trainer, pl_module, "test")
 
     def summary(self) -> Optional[str]:
         """``held-out accuracy: untrained 0 (step 0) -> best 1 (step 75) -> last 1 (step 150)``."""
@@ -132,4 +139,4 @@ def best_checkpoint(trainer) -> Optional[BestCheckpoint]:
     return next((c for c in trainer.callbacks if isinstance(c, BestCheckpoint)), None)
 
 
-__all__ = ["BestCheckpoint", "HeldOutResults", "best_checkpoint", "counts_as_evaluation", "format_results"]
+__all__ = ["BestCheckpoint", "HeldOutResults", "best_checkpoint", "counts_as_evaluation", "eval_step", "format_results"]

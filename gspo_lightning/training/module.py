@@ -61,7 +61,7 @@ from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.run.loggers import logger_identity
 from gspo_lightning.run.phases import PHASES
-from gspo_lightning.run.results import HeldOutResults, best_checkpoint, counts_as_evaluation
+from gspo_lightning.run.results import HeldOutResults, best_checkpoint, counts_as_evaluation, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
@@ -549,12 +549,12 @@ class GSPOModule(L.LightningModule):
         values = self.val_metrics.compute()
         if not values:
             return
-        self.log_dict({**values, "step": float(self.trainer.global_step)}, on_step=False, on_epoch=True, prog_bar=False)
+        self.log_dict({**values, "step": float(eval_step(self.trainer, self))}, on_step=False, on_epoch=True, prog_bar=False)
         self.last_eval_metrics = values
         folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # a collective call: every rank
         if self.trainer.is_global_zero and counts_as_evaluation(self.trainer):  # the untrained model's too
             folder.mkdir(parents=True, exist_ok=True)
-            record = {"step": self.trainer.global_step, "policy_version": self.policy_version, **values}
+            record = {"step": eval_step(self.trainer, self), "policy_version": self.policy_version, **values}
             with open(folder / "eval_results.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
