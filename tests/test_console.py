@@ -329,3 +329,43 @@ def test_gspo_test_of_a_checkpoint_prints_one_line_with_its_step(tmp_path):
         assert noise not in out.stdout + out.stderr, noise
     record = json.loads((tmp_path / "csv" / "version_1" / "eval_results.jsonl").read_text())
     assert record["step"] == 2 and record["policy_version"] == 8
+
+
+def test_the_end_of_fit_summary_names_untrained_best_and_last():
+    from gspo_lightning.run.results import HeldOutResults, format_results
+
+    results = HeldOutResults()
+    results.evaluations = [(0, {"val/accuracy": 0.0}), (25, {"val/accuracy": 0.5}), (50, {"val/accuracy": 1.0}),
+                           (75, {"val/accuracy": 1.0}), (100, {"val/accuracy": 0.875})]
+    assert results.summary() == "held-out accuracy: untrained 0 (step 0) -> best 1 (step 50) -> last 0.875 (step 100)"
+    results.evaluations = results.evaluations[1:2]  # a resumed run's first evaluation, alone
+    assert results.summary() == "held-out accuracy: first 0.5 (step 25)"
+    results.load_state_dict(HeldOutResults().state_dict())
+    assert results.summary() is None
+    assert format_results({"val/reward_mean": 0.71484375, "val/pass@4": 0.75, "val/accuracy": 0.53125,
+                           "val/response_length": 6.0}) == "accuracy 0.531  pass@4 0.75  reward_mean 0.715  response_length 6"
+
+
+class _Trainer:
+    max_steps = 150
+
+
+def test_progress_lines_every_tenth_of_the_run_or_every_interval():
+    from gspo_lightning.run.progress import LineProgressBar
+
+    bar = LineProgressBar(interval_s=30)
+    now = bar._last_line + 1  # a line a second ago
+    due = [step for step in range(1, 151) if bar.step_due(step, _Trainer(), now)]
+    assert due == [1, 15, 30, 45, 60, 75, 90, 105, 120, 135, 150]
+    assert bar.step_due(7, _Trainer(), bar._last_line + 30)  # 30 s since the last line
+    assert [s for s in range(1, 21) if LineProgressBar(every_n_steps=4).step_due(s, _Trainer(), time.monotonic())] == [1, 4, 8, 12, 16, 20]
+    with pytest.raises(ValueError, match="every_n_steps must be at least 1"):
+        LineProgressBar(every_n_steps=0)
+
+
+def test_a_phase_describes_itself():
+    from gspo_lightning.run.phases import Phase
+
+    assert Phase("log-probs", 0.0).describe() == "log-probs"
+    assert Phase("update", 0.0, done=3, total=4, unit="optimizer steps").describe() == "update 3/4 optimizer steps"
+    assert Phase("evaluating", 0.0, done=1, total=2, unit="batches", tokens=(5, 6)).describe() == "evaluating 1/2 batches, token 5/6"

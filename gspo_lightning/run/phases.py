@@ -28,7 +28,7 @@ class Phase:
     unit: str = ""
     tokens: Optional[tuple[int, int]] = None  # generation: (tokens decoded, most tokens per response)
 
-    def describe(self, now: Optional[float] = None) -> str:
+    def describe(self) -> str:
         """``generating 0/128 responses, token 12/32`` (what the bar and the lines show)."""
         text = self.name
         if self.total:
