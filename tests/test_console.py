@@ -369,3 +369,31 @@ def test_a_phase_describes_itself():
     assert Phase("log-probs", 0.0).describe() == "log-probs"
     assert Phase("update", 0.0, done=3, total=4, unit="optimizer steps").describe() == "update 3/4 optimizer steps"
     assert Phase("evaluating", 0.0, done=1, total=2, unit="batches", tokens=(5, 6)).describe() == "evaluating 1/2 batches, token 5/6"
+
+
+def successor_reward_that_fails(prompts, completions, **columns):
+    """The quickstart's reward; raises during the step given by ``FAIL_AT_STEP``."""
+    from gspo_lightning.data.tasks.successor import successor_reward
+
+    if len(completions) == 128:
+        TRAINING_CALLS["n"] += 1
+        if TRAINING_CALLS["n"] == int(os.environ["FAIL_AT_STEP"]):
+            raise RuntimeError("the grader is down")
+    return successor_reward(prompts, completions, **columns)
+
+
+@pytest.mark.slow
+def test_a_reward_error_then_resume_keeps_one_step_numbering(tmp_path):
+    run = tmp_path / "run"
+    out = gspo(*quickstart(run, "--model.export_on_fit_end=false",
+                           '--model.rewards=[{"function": "tests.test_console.successor_reward_that_fails"}]'),
+               env={"FAIL_AT_STEP": "13"})
+    assert out.returncode == 2 and "the grader is down" in out.stderr
+    assert "the run up to step 12 is saved" in out.stdout
+    ckpt = run / "csv" / "version_0" / "checkpoints" / "last.ckpt"
+    # resumed, the checkpoint's config comes back (the reward function included): fixed, it raises no more
+    out = gspo(*quickstart(run, "--model.export_on_fit_end=false", f"--ckpt_path={ckpt}"), env={"FAIL_AT_STEP": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert next(line for line in out.stdout.splitlines() if line.startswith("step ")).startswith("step 13/20  reward")
+    assert "exists and is not empty" not in out.stderr
+    assert_one_numbering(run, 20, 10)

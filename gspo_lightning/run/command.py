@@ -250,6 +250,7 @@ def quiet_lightning_info() -> None:
 QUIET = [
     ".*Using ModelCheckpoint with manual optimization.*",  # GSPO steps the optimizer itself, by design
     ".*does not have many workers.*",  # prompts are in memory; rollouts dominate a step
+    ".*Checkpoint directory .* exists and is not empty.*",  # a resumed run writes into its own folder, by design
     ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
 ]
 
