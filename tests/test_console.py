@@ -291,7 +291,7 @@ def test_a_hub_id_the_hub_cannot_serve_fails_at_once_in_one_line(tmp_path):
     proc = gspo("fit", "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}",
                 "--model.model_name_or_path=gspo-lightning-tests/no-such-model", stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env=env)
-    out, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err[-3000:]
     assert "Retrying" not in err and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("gspo: error:")]

@@ -10,7 +10,6 @@ import argparse
 import logging
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -36,17 +35,19 @@ def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
     return out
 
 
-def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, is_global_zero: bool, best=None,
-                     step: Optional[int] = None) -> None:
+def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, trainer) -> None:
     """``export_on_fit_end``: the policy saved into ``folder`` by rank 0; a sharded policy is
-    not gathered here (a warning: export from the checkpoint). ``best``: the run's
-    ``BestCheckpoint`` (``--export=best``): its weights are exported, unless they are the last
-    step's (``step``) or no evaluation was kept."""
+    not gathered here (a warning: export from the checkpoint). With ``--export=best`` (a
+    ``BestCheckpoint`` among the trainer's callbacks) the best evaluation's weights are
+    exported, unless they are the last step's or no evaluation was kept."""
+    from gspo_lightning.run.results import best_checkpoint
+
     if sharded:
         warnings.warn("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
         return
-    if not is_global_zero:
+    if not trainer.is_global_zero:
         return
+    best, step = best_checkpoint(trainer), trainer.global_step
     if best is not None and best.best_model_path and Path(best.best_model_path).is_file() and best.best_step != step:
         export_checkpoint(best.best_model_path, folder)
         score = float(best.best_model_score) if best.best_model_score is not None else float("nan")

@@ -70,6 +70,11 @@ class PhaseTracker:
         finally:
             self.end(outer)
 
+    def begin_update(self, settings, num_responses: int) -> None:
+        """The update phase of a step: ``ppo_epochs`` x mini-batches optimizer steps (``UpdateSettings``)."""
+        batches = -(-num_responses // settings.mini_batch_size)  # the last mini-batch may be short
+        self.begin("update", total=settings.ppo_epochs * batches, unit="optimizer steps")
+
     def _mine(self) -> Optional[Phase]:
         phase = self._phase
         return phase if phase is not None and self._owner == threading.get_ident() else None

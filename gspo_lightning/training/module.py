@@ -61,7 +61,7 @@ from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.run.loggers import logger_identity
 from gspo_lightning.run.phases import PHASES
-from gspo_lightning.run.results import HeldOutResults, best_checkpoint, counts_as_evaluation, eval_step
+from gspo_lightning.run.results import HeldOutResults, counts_as_evaluation, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
@@ -405,8 +405,7 @@ class GSPOModule(L.LightningModule):
             from gspo_lightning.run.export import export_after_fit
 
             folder = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model"  # collective call
-            export_after_fit(self.policy, self.tokenizer, folder, sharded=self.sharded, is_global_zero=self.trainer.is_global_zero,
-                             best=best_checkpoint(self.trainer), step=self.trainer.global_step)
+            export_after_fit(self.policy, self.tokenizer, folder, sharded=self.sharded, trainer=self.trainer)
 
     # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
@@ -498,8 +497,7 @@ class GSPOModule(L.LightningModule):
         scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
         ops = StrategyOps(self, self.trainer.strategy, self.optimizers(), self.lr_schedulers(), list(self.policy.parameters()),
                           self.grad_sync, scaling, hp.max_grad_norm)
-        settings = self.updater.settings
-        PHASES.begin("update", total=settings.ppo_epochs * -(-rollout.num_responses // settings.mini_batch_size), unit="optimizer steps")
+        PHASES.begin_update(self.updater.settings, rollout.num_responses)
         self.policy_version += self.updater.run(
             rollout, advantages, old, ref, lambda rows: forward(rollout, rows), ops,
             routing_recorder=self.routing_recorder, generator=generator, is_weights=is_weights,
