@@ -31,7 +31,8 @@ commands:
   serve      a rollout server for gspo fit: gspo serve --config cfg.yaml [--host H --port P]
 
 options:
-  -h, --help  this message; `gspo fit --help` lists every config key
+  -h, --help  this message; `gspo fit --help`: the keys most runs change, by concern;
+              `gspo fit --help-all`: every config key
   --version   the version
 
 docs/quickstart.md and docs/config.md in the repository say more."""
@@ -53,6 +54,17 @@ def main(args: Optional[list[str]] = None) -> None:
 
         serve(argv[1:])
         return
+    if command == "fit" and any(a in ("-h", "--help") for a in argv[1:]):
+        from gspo_lightning.run.help import FIT_HELP  # text only: no torch, no Lightning
+
+        print(FIT_HELP)
+        return
+    if command in TRAINING_COMMANDS and "--help-all" in argv:
+        full = ["--help" if a == "--help-all" else a for a in argv]  # jsonargparse's full help
+        if args is None:
+            sys.argv[1:] = full  # LightningCLI reads sys.argv itself
+        else:
+            args = full
     from gspo_lightning.run.command import main as train  # LightningCLI: it reports unknown commands itself
 
     train(args)

@@ -236,7 +236,7 @@ print("HEAVY=" + ",".join(heavy), "SECONDS=%.3f" % (time.perf_counter() - start)
 """
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--version"], ["serve", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--version"], ["serve", "--help"], ["fit", "--help"]])
 def test_help_and_serve_help_import_neither_torch_nor_lightning(argv):
     out = subprocess.run([sys.executable, "-c", ENTRY_PROBE, *argv], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)

@@ -178,7 +178,7 @@ def test_a_resumed_run_continues_its_log_folders_and_curves(tmp_path):
     assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["version_0"]
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
         steps = [int(float(row["step"])) for row in csv.DictReader(handle) if row.get("policy_version")]
-    assert steps == [0, 1, 2, 3, 4]  # the first run's rows kept, the resumed run's appended
+    assert steps == [1, 2, 3, 4, 5]  # the first run's rows kept, the resumed run's appended; step = steps done
     history = json.loads((tmp_path / "csv" / "version_0" / "history.json").read_text())
     assert [step for step, _ in history["reward/mean"]] == [1, 2, 3, 4, 5]
 

@@ -8,6 +8,7 @@ EXPORTS = {
     **dict.fromkeys(["ModelSourceError", "resolve_model", "is_gguf_builtin"], "gguf"),
     **dict.fromkeys(["cache_kwargs", "output_cache"], "hf_cache"),
     **dict.fromkeys(["LoRA", "attach_lora", "adapters_disabled", "merged_state_dict", "save_adapter"], "lora"),
+    **dict.fromkeys(["hub_reachable", "go_offline"], "hub"),
     **dict.fromkeys(["RoutingRecorder", "RoutingChange", "RouterLogitsCapture", "load_balancing_loss"], "moe"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

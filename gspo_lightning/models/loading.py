@@ -33,6 +33,10 @@ def check_model_source(name_or_path: str) -> None:
     if looks_local:
         raise FileNotFoundError(f"model folder {name_or_path!r} does not exist ({path.resolve()}). A local model is a "
                                 f"folder with config.json; a hub model is named by its id, like {HUB_ID_EXAMPLE}")
+    from gspo_lightning.models.hub import go_offline, hub_reachable
+
+    if hub_reachable() is False:  # a hub id without a network: the cache, or one error now (no retry loop)
+        go_offline()
 
 
 def _hub_error(name_or_path: str, err: OSError) -> FileNotFoundError:

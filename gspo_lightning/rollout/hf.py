@@ -21,6 +21,7 @@ from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
 from gspo_lightning.rollout import kv_decode
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.sampling import filter_logits
+from gspo_lightning.run.phases import PHASES
 from gspo_lightning.training.sharding import gathered
 
 
@@ -126,6 +127,7 @@ class HFEngine(RolloutEngine):
                 completion_ids[:, step] = token
                 token_logprobs[:, step] = token_logprob.masked_fill_(finished, 0.0)
                 width = step + 1
+                PHASES.tokens(width, params.max_new_tokens)  # the progress display's "token 12/32"
                 finished |= torch.isin(token, eos)
                 if step == feeds:
                     break

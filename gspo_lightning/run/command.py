@@ -51,6 +51,9 @@ class GSPOCLI(LightningCLI):
         # a plain class group (not add_lightning_class_args): instantiate_trainer adds the callback
         # itself, and only when checkpointing is on
         parser.add_class_arguments(ModelCheckpoint, "checkpoint", fail_untyped=False, sub_configs=True)
+        parser.add_argument("--export", choices=["last", "best"], default="last",
+                            help="the policy exported at the end of fit (model.export_on_fit_end): the last step's, or "
+                                 "the best held-out evaluation's (val/accuracy), kept as best.ckpt beside last.ckpt")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 50,
@@ -70,6 +73,16 @@ class GSPOCLI(LightningCLI):
         parser.link_arguments("data.prompt_length", "model.prompt_length")
         parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
 
+    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        # checkpoints hold tensors and plain values only: load them without running pickled code
+        # (and without torch's warning that weights_only was not set)
+        if any(getattr(a, "dest", None) == "weights_only" for a in parser._actions):
+            parser.set_defaults(weights_only=True)
+        if any(getattr(a, "dest", None) == "verbose" for a in parser._actions):
+            parser.set_defaults(verbose=False)  # validate / test: run/results.py prints the results in one line
+        return parser
+
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
         run_folder_loggers(trainer.logger, trainer.default_root_dir)
@@ -77,12 +90,36 @@ class GSPOCLI(LightningCLI):
             continue_log_versions(self.config.fit.trainer.logger, self.config.fit.ckpt_path)
 
     def instantiate_trainer(self, **kwargs):
+        from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+
+        from gspo_lightning.run.progress import RichStepProgressBar, progress_bar_for
+        from gspo_lightning.run.summary import RichRunSummary, RunSummary
+
         config = self.config_init.get(str(self.subcommand), self.config_init)
         trainer = {**config.get("trainer", {}), **kwargs}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        # our bar and summary from the start (Lightning's would be replaced by configure_callbacks,
+        # with a message saying so): step bar in a terminal, plain lines in a log
+        if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(progress_bar_for())
+        if trainer.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+            rich = any(isinstance(c, RichStepProgressBar) for c in callbacks)
+            callbacks.append(RichRunSummary() if rich else RunSummary())
+        if self.subcommand in ("validate", "test"):
+            # nothing to save, and no checkpoint callback to warn that its folder is not the checkpoint's
+            kwargs["enable_checkpointing"] = False
         # --trainer.enable_checkpointing=false means no checkpoints, not a clash with ours
-        if trainer.get("enable_checkpointing") is not False:
-            callbacks = trainer.get("callbacks") or []
-            kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), config.get("checkpoint")]
+        elif trainer.get("enable_checkpointing") is not False:
+            callbacks.append(config.get("checkpoint"))
+            if config.get("export") == "best":
+                from gspo_lightning.run.results import BestCheckpoint
+
+                callbacks.append(BestCheckpoint(dirpath=config.get("checkpoint").dirpath))
+        elif config.get("export") == "best":
+            raise ValueError("export: best keeps the best evaluation's weights as a checkpoint: it needs "
+                             "trainer.enable_checkpointing (or set --export=last)")
+        kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -119,18 +156,30 @@ class GSPOCLI(LightningCLI):
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+# ``save_dir`` defaults that mean "the working directory" (W&B's ".", MLflow's "./mlruns"): the
+# run folder instead, keeping the last part ("<run folder>/mlruns")
+WORKING_DIRECTORY_DEFAULTS = (".", "./", "./mlruns")
+
+
 def run_folder_loggers(loggers, default_root_dir: Optional[str]) -> None:
-    """Loggers with no ``save_dir`` write under the run folder, ``trainer.default_root_dir``
-    (``runs`` when unset), so ``--trainer.default_root_dir=DIR`` moves the logs and, with
-    them, the checkpoints (Lightning puts them in the first logger's version folder)."""
+    """Loggers with no ``save_dir`` (or the working directory, W&B's and MLflow's defaults) write
+    under the run folder, ``trainer.default_root_dir`` (``runs`` when unset), so
+    ``--trainer.default_root_dir=DIR`` moves the logs and, with them, the checkpoints (Lightning
+    puts them in the first logger's version folder), whatever the loggers."""
     from jsonargparse import Namespace
 
     from gspo_lightning.run.loggers import DEFAULT_SAVE_DIR
 
+    root = Path(default_root_dir or DEFAULT_SAVE_DIR)
     for entry in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(entry, "init_args", None)
-        if isinstance(entry, Namespace) and args is not None and "save_dir" in args and args.get("save_dir") is None:
-            args["save_dir"] = str(default_root_dir or DEFAULT_SAVE_DIR)
+        if not isinstance(entry, Namespace) or args is None or "save_dir" not in args:
+            continue
+        save_dir = args.get("save_dir")
+        if save_dir is None:
+            args["save_dir"] = str(root)
+        elif str(save_dir) in WORKING_DIRECTORY_DEFAULTS:
+            args["save_dir"] = str(root / Path(str(save_dir)).name) if Path(str(save_dir)).name else str(root)
 
 
 def tokenizer_source(model_name_or_path: str, gguf_file: Optional[str] = None) -> str:
@@ -178,10 +227,30 @@ def current_class_path(class_path: str) -> str:
     return f"{moved_target(module) or module}.{name}"
 
 
+# Lightning's messages that say nothing to a GSPO run's user: an advertisement, and the notes
+# that our progress bar and summary replaced Lightning's
+QUIET_INFO = ("💡 Tip:", "Trainer already configured with model summary callbacks",
+              "The following callbacks returned in `LightningModule.configure_callbacks` will override")
+
+
+def quiet_lightning_info() -> None:
+    import logging
+
+    class Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith(QUIET_INFO)
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(type(f).__name__ == "Quiet" for f in logger.filters):  # once per process
+            logger.addFilter(Quiet())
+
+
 # Warnings that say nothing actionable for a GSPO run.
 QUIET = [
     ".*Using ModelCheckpoint with manual optimization.*",  # GSPO steps the optimizer itself, by design
     ".*does not have many workers.*",  # prompts are in memory; rollouts dominate a step
+    ".*Checkpoint directory .* exists and is not empty.*",  # a resumed run writes into its own folder, by design
     ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
 ]
 
@@ -193,7 +262,10 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from gspo_lightning.errors import NonFiniteError, RolloutServerError
     from gspo_lightning.rewards.base import RewardError
 
-    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    # MisconfigurationException: Lightning's refusal of a value (--trainer.max_steps=-5)
+    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError, MisconfigurationException)
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -203,6 +275,7 @@ def main(args: Optional[list[str]] = None) -> None:
 
     from gspo_lightning.data.datamodule import PromptDataModule
     from gspo_lightning.run.preemption import Preempted
+    from gspo_lightning.run.usage import GSPOArgumentParser, UsageError, short_message
     from gspo_lightning.training.module import GSPOModule
 
     argv = sys.argv[1:] if args is None else list(args)
@@ -218,6 +291,10 @@ def main(args: Optional[list[str]] = None) -> None:
 
     for pattern in QUIET:
         warnings.filterwarnings("ignore", message=pattern)
+    if next((a for a in argv if not a.startswith("-")), None) in ("validate", "test"):
+        # they load a checkpoint's weights only: the callbacks that wrote it have nothing to restore
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint need to be provided.*")
+    quiet_lightning_info()
     try:
         GSPOCLI(
             GSPOModule,
@@ -227,7 +304,14 @@ def main(args: Optional[list[str]] = None) -> None:
             save_config_kwargs={"overwrite": True},
             args=None if args is None else argv,
             auto_configure_optimizers=False,
+            parser_class=GSPOArgumentParser,
         )
+    except UsageError as err:
+        if debug:
+            raise
+        command = next((a for a in argv if not a.startswith("-")), "fit")
+        print(f"gspo: error: {short_message(err, command)}", file=sys.stderr)
+        sys.exit(2)
     except Preempted as stop:
         print(f"gspo: {stop}", file=sys.stderr)
     except SIGTERMException:

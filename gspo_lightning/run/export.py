@@ -17,10 +17,18 @@ log = logging.getLogger(__name__)
 
 
 def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
+    from transformers.utils import logging as hf_logging
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     policy.config.use_cache = True  # inference default for whoever loads it
-    policy.save_pretrained(out, safe_serialization=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar amid the run's output
+    try:
+        policy.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     policy.config.use_cache = False
     tokenizer.save_pretrained(out)
     check_auto_tokenizer(tokenizer, out)
@@ -38,21 +46,36 @@ def save_lora_policy(policy, tokenizer, out_dir: str | Path, lora, base_model: s
     return out
 
 
-def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, is_global_zero: bool, lora=None,
+def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, trainer, lora=None,
                      base_model: str | None = None) -> None:
     """``export_on_fit_end``: the policy saved into ``folder`` by rank 0 (with ``lora``: merged,
-    and its adapter folder); a sharded policy is not gathered here (a warning: export from the
-    checkpoint)."""
+    and its adapter folder in ``folder/adapter``); a sharded policy is not gathered here (a
+    warning: export from the checkpoint). With ``--export=best`` (a ``BestCheckpoint`` among the
+    trainer's callbacks) the best evaluation's weights are exported, unless they are the last
+    step's or no evaluation was kept."""
+    from gspo_lightning.run.results import best_checkpoint
+
     if sharded:
         warnings.warn("export_on_fit_end is skipped for sharded policies: export from the checkpoint instead")
         return
-    if is_global_zero:
-        if lora is not None:
-            save_lora_policy(policy, tokenizer, folder, lora, base_model)
-            print(f"policy exported to {folder} (LoRA merged), adapter to {folder / 'adapter'}")
-        else:
-            save_policy(policy, tokenizer, folder)
-            print(f"policy exported to {folder}")
+    if not trainer.is_global_zero:
+        return
+    best, step = best_checkpoint(trainer), trainer.global_step
+    if best is not None and best.best_model_path and Path(best.best_model_path).is_file() and best.best_step != step:
+        export_checkpoint(best.best_model_path, folder)
+        score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+        print(f"policy exported to {folder}: the best held-out evaluation, step {best.best_step} "
+              f"({best.monitor} {score:.3g}; {best.best_model_path})")
+        return
+    if lora is not None:
+        save_lora_policy(policy, tokenizer, folder, lora, base_model)
+    else:
+        save_policy(policy, tokenizer, folder)
+    what = " (LoRA merged; the adapter folder in adapter/)" if lora is not None else ""
+    if best is not None and not best.best_model_path:
+        print(f"policy exported to {folder}{what}: the last step's (export: best, but no held-out evaluation was kept)")
+    else:
+        print(f"policy exported to {folder}{what}" + (": the last step's, which is also the best held-out evaluation" if best is not None else ""))
 
 
 def check_auto_tokenizer(tokenizer, folder: Path) -> bool:

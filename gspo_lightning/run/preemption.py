@@ -47,12 +47,14 @@ class PreemptionCheckpoint(L.Callback):
         self.saved: Optional[Path] = None
         self._previous_sigint = None
         self._newest_saved_step: Optional[int] = None  # in this fit
+        self._stopping: Optional[tuple[Path, str]] = None  # a stop was asked: (checkpoint, reason)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self._newest_saved_step = trainer.global_step
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._newest_saved_step = None
+        self._stopping = None
         self._previous_sigint = signal.getsignal(signal.SIGINT)
         try:
             signal.signal(signal.SIGINT, self._on_sigint)
@@ -73,7 +75,7 @@ class PreemptionCheckpoint(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # every rank must agree (the checkpoint save is collective)
         stop = trainer.strategy.reduce_boolean_decision(self.interrupted or trainer.received_sigterm, all=False)
-        if not stop:
+        if not stop or self._stopping is not None:
             return
         reason = "SIGTERM" if trainer.received_sigterm else "interrupted"
         path = checkpoint_dir(trainer) / "last.ckpt"
@@ -81,13 +83,27 @@ class PreemptionCheckpoint(L.Callback):
             if trainer.is_global_zero:
                 print(f"{reason}: stopped at step {trainer.global_step}; checkpointing is off, nothing was saved", flush=True)
         else:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
             self.saved = path
             if trainer.is_global_zero:
                 print(f"{reason}: checkpoint written to {path} at step {trainer.global_step}; resume with --ckpt_path {path}", flush=True)
         self._restore_sigint()
-        if not trainer.received_sigterm:  # Lightning raises SIGTERMException itself for SIGTERM
-            raise Preempted(path, reason)
+        # the run stops once this step is done: its row logged and an evaluation due at this step
+        # run (Lightning logs and evaluates after this hook); SIGTERM: Lightning raises itself then
+        self._stopping = (path, reason)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._stopping is not None and self.saved is not None and not trainer.sanity_checking:
+            from gspo_lightning.run.results import best_checkpoint
+
+            best = best_checkpoint(trainer)
+            if best is not None:  # Lightning runs checkpoint callbacks last: let it keep this evaluation first
+                best.on_validation_end(trainer, pl_module)
+            trainer.save_checkpoint(self.saved, weights_only=False)  # the checkpoint holds this evaluation too (best, results)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._stopping is not None and not trainer.received_sigterm:
+            raise Preempted(*self._stopping)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_sigint()
@@ -96,7 +112,7 @@ class PreemptionCheckpoint(L.Callback):
             return
         # with nothing saved in this fit, ModelCheckpoint's own on_train_end writes last.ckpt
         if self._newest_saved_step is not None and self._newest_saved_step != trainer.global_step:
-            trainer.save_checkpoint(checkpoint_dir(trainer) / "last.ckpt")
+            trainer.save_checkpoint(checkpoint_dir(trainer) / "last.ckpt", weights_only=False)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore_sigint()
@@ -104,18 +120,18 @@ class PreemptionCheckpoint(L.Callback):
             return
         if isinstance(exception, NonFiniteError):
             path = checkpoint_dir(trainer) / "nonfinite.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
             log.error("stopped on non-finite updates; the state is saved in %s for inspection", path)
         elif isinstance(exception, RewardError) and trainer.global_step > 0:
             # the weights before the failing step: resume after fixing the reward function
             path = checkpoint_dir(trainer) / "last.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
             print(f"a reward function failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} "
                   f"is saved in {path}: fix the function, then resume with --ckpt_path {path}", flush=True)
         elif isinstance(exception, RolloutServerError) and trainer.global_step > 0:
             # the rollout server is gone: keep the run up to the last finished step
             path = checkpoint_dir(trainer) / "last.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
             if trainer.is_global_zero:
                 print(f"no rollouts at step {trainer.global_step + 1}; the run up to step {trainer.global_step} is saved in "
                       f"{path}: once a rollout server is up, resume with --ckpt_path {path}", flush=True)

@@ -61,6 +61,8 @@ from gspo_lightning.rollout.sampling import step_seed
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.run.loggers import logger_identity
+from gspo_lightning.run.phases import PHASES
+from gspo_lightning.run.results import HeldOutResults, counts_as_evaluation, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
@@ -356,7 +358,7 @@ class GSPOModule(L.LightningModule):
         summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
         # replace Lightning's bar and table (epochs, FLOPs) by ours, of the same kind; a disabled one stays off
         extra = [step_progress_bar(trainer.progress_bar_callback), run_summary(summaries[0] if summaries else None)]
-        return [TrainingCurves(), PreemptionCheckpoint(), *(c for c in extra if c is not None)]
+        return [TrainingCurves(), HeldOutResults(), PreemptionCheckpoint(), *(c for c in extra if c is not None)]
 
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
@@ -422,7 +424,7 @@ class GSPOModule(L.LightningModule):
             from gspo_lightning.run.export import export_after_fit
 
             export_after_fit(self.policy, self.tokenizer, Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model",
-                             sharded=self.sharded, is_global_zero=self.trainer.is_global_zero, lora=self.lora, base_model=self.model_source)
+                             sharded=self.sharded, trainer=self.trainer, lora=self.lora, base_model=self.model_source)
 
     # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
@@ -471,12 +473,14 @@ class GSPOModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         hp = self.hparams
         step_start = time.perf_counter()
+        PHASES.begin(f"generating {len(batch['prompt_ids']) * hp.num_return_sequences_in_group} responses")  # the progress display
         rollout, source_stats = self.rollouts.next(self.rollout_steps, batch, self.policy_version)
         if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
             self._build_updater(len(batch["prompt_ids"]) * self.trainer.world_size, self.trainer.world_size)
 
         # passes before any update
         start = time.perf_counter()
+        PHASES.begin("log-probs")
         if self.routing_recorder is not None:
             self.routing_recorder.clear()
         old = None
@@ -518,6 +522,7 @@ class GSPOModule(L.LightningModule):
         scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
         ops = StrategyOps(self, self.trainer.strategy, self.optimizers(), self.lr_schedulers(), list(self.policy.parameters()),
                           self.grad_sync, scaling, hp.max_grad_norm)
+        PHASES.begin_update(self.updater.settings, rollout.num_responses)
         self.policy_version += self.updater.run(
             rollout, advantages, old, ref, lambda rows: forward(rollout, rows), ops,
             routing_recorder=self.routing_recorder, generator=generator, is_weights=is_weights,
@@ -533,6 +538,7 @@ class GSPOModule(L.LightningModule):
         values["policy_version"] = float(self.policy_version)
         values["skipped_updates"] = float(self.updater.skipped_updates)
         values["lr"] = float(self.optimizers().param_groups[0]["lr"])
+        values["step"] = float(self.trainer.global_step)  # the loggers' x: steps done, as in evaluations and checkpoints
         values.update(batch.get("stats", {}))  # prompts kept / truncated / dropped / bad
         if rollout.reward_errors and self.hparams.on_reward_error == "zero":
             warnings.warn(f"step {self.rollout_steps}: {rollout.reward_errors} response(s) scored 0 because a reward "
@@ -566,12 +572,12 @@ class GSPOModule(L.LightningModule):
         values = self.val_metrics.compute()
         if not values:
             return
-        self.log_dict(values, on_step=False, on_epoch=True, prog_bar=False)
+        self.log_dict({**values, "step": float(eval_step(self.trainer, self))}, on_step=False, on_epoch=True, prog_bar=False)
         self.last_eval_metrics = values
         folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # a collective call: every rank
-        if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+        if self.trainer.is_global_zero and counts_as_evaluation(self.trainer):  # the untrained model's too
             folder.mkdir(parents=True, exist_ok=True)
-            record = {"step": self.trainer.global_step, "policy_version": self.policy_version, **values}
+            record = {"step": eval_step(self.trainer, self), "policy_version": self.policy_version, **values}
             with open(folder / "eval_results.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
