@@ -142,7 +142,7 @@ def test_checkpoint_round_trip_and_the_window_after_a_smaller_k(policy):
     resumed.close()
 
 
-def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_the_next_step():
+def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_its_own_step():
     producer = FakeProducer()
 
     def generate(batch, step):
@@ -154,8 +154,49 @@ def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_the_nex
     pipeline.next(0, batch_at(0), producer.push(0))  # submits 0, 1, 2
     state = pipeline.state_dict()  # the checkpoint written as the run stops: no exception here
     assert [p["index"] for p in state["pending"]] == [1]
+    pipeline.next(1, batch_at(1), producer.push(1))  # batch 1 finished before the failure: trained
     with pytest.raises(RuntimeError, match="the grader is down"):
+        pipeline.next(2, batch_at(2), producer.push(2))
+    pipeline.close()
+
+
+def test_a_failure_ahead_loses_no_finished_batch_and_stops_the_producer_at_once():
+    """k = 2: batch 3 fails on the producer while step 1 trains. Step 2 still trains on batch
+    2 (finished before the failure), batch 4 is not generated (the engine is not called
+    again), step 3 raises batch 3's error, and the checkpoint then holds no failed batch."""
+    producer = FakeProducer()
+
+    def generate(batch, step):
+        if step == 3:
+            raise RuntimeError("the rollout server is gone")
+        return producer.generate(batch, step)
+
+    pipeline = RolloutPipeline(generate, batch_at, max_staleness=2)
+    run(pipeline, producer, 2)  # steps 0 and 1: batches 0 .. 3 submitted, batch 3 fails
+    rollout, stats = pipeline.next(2, batch_at(2), producer.push(2))  # batch 2 was finished: trained
+    assert rollout.input_ids.shape[0] == 2 and stats["async/lag"] == 2.0
+    with pytest.raises(RuntimeError, match="the rollout server is gone"):
+        pipeline.next(3, batch_at(3), producer.push(3))
+    assert [step for step, _ in producer.calls] == [0, 1, 2]  # batch 4 was never generated
+    assert pipeline.state_dict() == {"pending": []}  # 4 failed at once ("not generated"): sampled again on resume
+    pipeline.close()
+
+
+def test_a_failure_on_another_rank_stops_this_rank_on_the_same_step_with_the_same_error_class():
+    from gspo_lightning.rewards.base import RewardError
+
+    producer = FakeProducer()
+    calls = []
+
+    def gather(value):  # rank 1's rollout of batch 1 failed; this is rank 0
+        calls.append(value)
+        return [value, (RewardError, "the grader is down")] if len(calls) == 2 else [value, None]
+
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1, gather=gather)
+    pipeline.next(0, batch_at(0), producer.push(0))
+    with pytest.raises(RewardError, match="prompt batch 1 failed on rank 1: the grader is down"):
         pipeline.next(1, batch_at(1), producer.push(1))
+    assert calls == [None, None]  # this rank's own rollouts were fine
     pipeline.close()
 
 
@@ -214,7 +255,7 @@ def test_async_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     resumed = tmp_path / "resumed"
     main(["fit", "--config", str(async_config(resumed, 2, 2))])
     saved = torch.load(resumed / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert [(p["index"], p["sampled_at"]) for p in saved["gspo"]["pending_rollouts"]["pending"]] == [(2, 0), (3, 1)]
+    assert [(p["index"], p["sampled_at"]) for p in saved["gspo"]["ranks"][0]["pending_rollouts"]["pending"]] == [(2, 0), (3, 1)]
     main(["fit", "--config", str(async_config(resumed, 5, 2)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
 
     a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
@@ -249,7 +290,7 @@ def test_a_failing_reward_on_the_producer_stops_the_run_with_a_checkpoint_and_it
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     # batch 2 was generated (and failed) on the producer during step 1; step 2 raised it; the
     # resumed run goes on with batch 3, as the synchronous loop does after a failed step
-    assert saved["global_step"] == 2 and saved["gspo"]["pending_rollouts"] == {"pending": []}
+    assert saved["global_step"] == 2 and saved["gspo"]["ranks"][0]["pending_rollouts"] == {"pending": []}
     again = module()
     fit(again, tmp_path / "resumed", max_steps=4, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
     assert again.policy_version == 8

@@ -41,6 +41,10 @@ from gspo_lightning.rollout.worker import Rollout
 StaleRollouts = Literal["regenerate", "reweight"]
 
 
+class NotGenerated(RuntimeError):
+    """A queued batch the producer skipped because an earlier generation failed."""
+
+
 @dataclass
 class PendingRollout:
     index: int  # its prompt batch's index in the prompt stream (the step that trains on it, unless a failed step skipped one)
@@ -65,18 +69,29 @@ class RolloutPipeline:
         batch_at: ``batch_at(index) -> batch``, a future prompt batch.
         max_staleness: ``k >= 1``, the largest lag (in rollout steps) a rollout may have.
         stale_rollouts: what to do with a rollout beyond ``k``: ``regenerate`` or ``reweight``.
+        gather: ``gather(value)``, every rank's ``value`` in rank order (a collective, called on
+            the training thread once per step): ranks stop on the same step when one rank's
+            rollout failed. ``[value]`` on one process.
+
+    A failed generation is raised by the step that trains on it, never earlier: the batches
+    before it that finished are trained on (and checkpointed), as the synchronous loop
+    would. After a failure the producer generates nothing more (the queued jobs fail at
+    once, without touching the engine), so stopping does not wait out an engine's timeouts
+    once per queued batch; those batches are sampled again by the resumed run.
     """
 
     def __init__(self, generate: Callable[[dict, int], Rollout], batch_at: Callable[[int], dict], max_staleness: int,
-                 stale_rollouts: StaleRollouts = "regenerate"):
+                 stale_rollouts: StaleRollouts = "regenerate", gather: Callable[[Any], list] = lambda value: [value]):
         if max_staleness < 1:
             raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
         if stale_rollouts not in ("regenerate", "reweight"):
             raise ValueError(f"stale_rollouts must be regenerate or reweight, got {stale_rollouts!r}")
         self.generate, self.batch_at = generate, batch_at
         self.max_staleness, self.stale_rollouts = max_staleness, stale_rollouts
+        self.gather = gather
         self.pending: dict[int, PendingRollout] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
+        self.failed: Optional[int] = None  # the first batch whose generation failed
 
     def _executor(self) -> ThreadPoolExecutor:
         if self.executor is None:
@@ -85,8 +100,14 @@ class RolloutPipeline:
 
     def _run(self, batch: dict, step: int, push: Optional[Callable[[], dict[str, float]]] = None) -> Future:
         def job() -> Rollout:
-            timings = push() if push is not None else {}  # the weights first: the producer runs jobs in order
-            rollout = self.generate(batch, step)
+            if self.failed is not None:  # the engine (or a reward) failed on an earlier batch: stop at once
+                raise NotGenerated(f"prompt batch {step} was not generated: the generation of batch {self.failed} failed")
+            try:
+                timings = push() if push is not None else {}  # the weights first: the producer runs jobs in order
+                rollout = self.generate(batch, step)
+            except BaseException:
+                self.failed = step
+                raise
             rollout.timings.update(timings)
             return rollout
         return self._executor().submit(job)
@@ -96,11 +117,29 @@ class RolloutPipeline:
         self.pending[index] = PendingRollout(index, sampled_at, [list(p) for p in batch["prompt_ids"]], future)
 
     def drain(self) -> float:
-        """Wait for every submitted rollout; returns the seconds waited. Raises what the producer raised."""
+        """Wait until the producer is idle; returns the seconds waited. A failed generation is
+        not raised here but by the step that trains on its batch (the batches before it are trained)."""
         start = time.perf_counter()
         for pending in list(self.pending.values()):
-            pending.future.result()
+            pending.future.exception()  # waits, without raising
         return time.perf_counter() - start
+
+    def _agree(self, index: int, future: Future) -> None:
+        """Raise on every rank when step ``index``'s rollout failed on one (a collective): a rank
+        that went on alone would wait in the update's collectives. The other ranks raise an
+        error of the same class (so every rank writes the same checkpoint), naming the rank."""
+        error = future.exception()
+        outcomes = self.gather(None if error is None else (type(error), str(error)))
+        if error is not None:
+            raise error
+        failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+        if failed:
+            rank, (kind, message) = failed[0]
+            try:
+                raised = kind(f"the rollout of prompt batch {index} failed on rank {rank}: {message}")
+            except Exception:  # noqa: BLE001 - an exception class with another signature
+                raised = RuntimeError(f"the rollout of prompt batch {index} failed on rank {rank}: {kind.__name__}: {message}")
+            raise raised
 
     def next(self, step: int, batch: dict, capture_weights: WeightsCapture) -> tuple[Rollout, dict[str, float]]:
         """Step ``step``'s rollout (``batch`` is that step's prompts, as the loader gave them)
@@ -122,8 +161,10 @@ class RolloutPipeline:
             self._executor().submit(push).result()
         pending = self.pending.pop(index)
         start = time.perf_counter()
-        rollout = pending.future.result()
+        pending.future.exception()  # waits, without raising
         waited += time.perf_counter() - start
+        self._agree(index, pending.future)
+        rollout = pending.future.result()
         if pending.prompt_ids != [list(p) for p in batch["prompt_ids"]]:
             raise RuntimeError(f"the rollout queued for prompt batch {index} answers other prompts than the loader's "
                                f"batch {index}: the prompt stream and the pipeline are out of step")
@@ -133,7 +174,10 @@ class RolloutPipeline:
             stats["async/out_of_window"] = 1.0
             if self.stale_rollouts == "regenerate":
                 self.drain()  # the engine holds this step's weights; the queued batches go first
-                rollout = self._run(batch, index).result()  # the engine got this step's weights above
+                future = self._run(batch, index)  # the engine got this step's weights above
+                future.exception()
+                self._agree(index, future)
+                rollout = future.result()
                 stats["async/regenerated"] = 1.0
                 stats["async/lag"] = 0.0
         stats["time/wait_rollout"] = waited
@@ -188,4 +232,4 @@ def rollout_from_dict(state: dict[str, Any], device: torch.device) -> Rollout:
     return Rollout(**{k: on_device(v) for k, v in state.items()})
 
 
-__all__ = ["PendingRollout", "RolloutPipeline", "StaleRollouts", "WeightsCapture", "rollout_from_dict", "rollout_to_dict"]
+__all__ = ["NotGenerated", "PendingRollout", "RolloutPipeline", "StaleRollouts", "WeightsCapture", "rollout_from_dict", "rollout_to_dict"]

@@ -159,6 +159,7 @@ class RemoteEngine(RolloutEngine):
         self.pushed: Optional[Manifest] = None  # the last push: re-sent to a restarted server
         self.checksums: dict[int, str] = {}  # recent versions pushed -> checksum of their weights
         self._recovering = threading.Lock()
+        self._group = None  # the process group of this engine's collectives (several ranks)
         self.last_load_seconds = 0.0
 
     # -- start ---------------------------------------------------------------------------
@@ -182,6 +183,10 @@ class RemoteEngine(RolloutEngine):
                     urls = [self.child.start(self.start_timeout_s)]
             except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
                 failure = str(error)
+        if self.world_size > 1 and self._group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # pushes run on the producer thread when max_staleness >= 1: their collective gets a process group of
+            # its own, so it never interleaves with the trainer's collectives (whose order it cannot know)
+            self._group = torch.distributed.new_group(backend="gloo")
         # one token for the trainer's ranks; the started server's URL for all of them
         urls, token, failure = self._share((urls, uuid.uuid4().hex, failure))
         if failure:
@@ -203,10 +208,11 @@ class RemoteEngine(RolloutEngine):
         )
 
     def _share(self, value):
-        """``value`` of rank 0 on every rank (a collective: every rank calls it, in the same order)."""
-        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        """``value`` of rank 0 on every rank (a collective on the engine's own group: every rank
+        calls it in the same order, from the producer thread or, while it is idle, the training thread)."""
+        if self._group is not None:
             holder = [value]
-            torch.distributed.broadcast_object_list(holder, src=0)
+            torch.distributed.broadcast_object_list(holder, src=0, group=self._group)
             return holder[0]
         return value
 
