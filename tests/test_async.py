@@ -227,6 +227,23 @@ def test_bad_staleness_settings_are_one_clear_line(tmp_path):
         fit(make_module(max_staleness=1), tmp_path, max_steps=1)
 
 
+def test_stale_rollouts_trained_as_on_policy_are_warned_once_at_start():
+    import warnings
+
+    from gspo_lightning.objective.offpolicy import OffPolicyCorrection
+    from gspo_lightning.rollout import HFCopyEngine
+    from tests.test_module import make_module
+
+    with pytest.warns(UserWarning, match="trained as if the current policy had sampled them") as caught:
+        make_module(max_staleness=2, engine=HFCopyEngine(dtype="float32"))
+    assert sum("trained as if" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a correction, or the engine's log-probs as the old policy: no warning
+        make_module(max_staleness=2, engine=HFCopyEngine(dtype="float32"), off_policy=OffPolicyCorrection(mode="decoupled"))
+        make_module(max_staleness=2, engine=HFCopyEngine(dtype="float32"), old_logprobs="engine")
+        make_module(engine=HFCopyEngine(dtype="float32"))
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -474,7 +474,8 @@ class GSPOModule(L.LightningModule):
             self.clip_budget.begin(old=trainer_old, behaviour=rollout.engine_logprobs,
                                    behaviour_old=rollout.behaviour_trainer_logprobs, old_is_behaviour=hp.old_logprobs == "engine",
                                    same_weights=rollout.policy_version == self.policy_version)
-        is_weights = importance_weights(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy, self.step_metrics)
+        is_weights = importance_weights(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy,
+                                        self.step_metrics, all_reduce_sum)  # the ESS over all ranks' units
 
         _, advantages = rewards_to_advantages(
             rollout.rewards, rollout.response_mask, rollout.group_size,
