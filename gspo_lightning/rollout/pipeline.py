@@ -92,6 +92,7 @@ class RolloutPipeline:
         self.pending: dict[int, PendingRollout] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
         self.failed: Optional[int] = None  # the first batch whose generation failed
+        self.step_versions: dict[int, int] = {}  # rollout step -> the policy version captured at its start
 
     def _executor(self) -> ThreadPoolExecutor:
         if self.executor is None:
@@ -141,16 +142,23 @@ class RolloutPipeline:
                 raised = RuntimeError(f"the rollout of prompt batch {index} failed on rank {rank}: {kind.__name__}: {message}")
             raise raised
 
-    def next(self, step: int, batch: dict, capture_weights: WeightsCapture) -> tuple[Rollout, dict[str, float]]:
+    def next(self, step: int, batch: dict, capture_weights: WeightsCapture,
+             version: Optional[int] = None) -> tuple[Rollout, dict[str, float]]:
         """Step ``step``'s rollout (``batch`` is that step's prompts, as the loader gave them)
         and the pipeline's metrics for the step.
 
         ``capture_weights() -> (push, timings)`` copies the policy's current weights and
         returns the push that sends the copy (``None``: the engine has them already), as
-        :meth:`RolloutWorker.capture_weights` does; the producer runs the push."""
+        :meth:`RolloutWorker.capture_weights` does; the producer runs the push. ``version``:
+        the policy version captured (what the engine reports after the push); with it the
+        lag counts the version the engine reports it sampled with, not only the schedule."""
         index = int(batch.get("index", step))
         waited = self.drain()
         push, timings = capture_weights()
+        if version is not None:
+            self.step_versions[step] = version
+            for old in [s for s in self.step_versions if s < step - 4 * self.max_staleness - 4]:
+                del self.step_versions[old]
         for skipped in [i for i in self.pending if i < index]:  # batches a failed step consumed
             del self.pending[skipped]
         for ahead in range(index, index + self.max_staleness + 1):
@@ -168,7 +176,7 @@ class RolloutPipeline:
         if pending.prompt_ids != [list(p) for p in batch["prompt_ids"]]:
             raise RuntimeError(f"the rollout queued for prompt batch {index} answers other prompts than the loader's "
                                f"batch {index}: the prompt stream and the pipeline are out of step")
-        lag = step - pending.sampled_at
+        lag = step - self._sampled_at(pending.sampled_at, rollout.policy_version)
         stats = {"async/lag": float(lag), "async/out_of_window": 0.0, "async/regenerated": 0.0}
         if lag > self.max_staleness:
             stats["async/out_of_window"] = 1.0
@@ -184,6 +192,15 @@ class RolloutPipeline:
         stats.update(timings)
         return rollout, stats
 
+    def _sampled_at(self, scheduled: int, reported: int) -> int:
+        """The step whose weights sampled a rollout: the scheduled one when the engine reports its
+        version (or versions are not known), else the last step whose weights the engine reports
+        (an engine that fell behind: the lag, and the window, see it)."""
+        if self.step_versions.get(scheduled, reported) == reported:
+            return scheduled
+        steps = [s for s, v in self.step_versions.items() if v == reported]
+        return max(steps) if steps else scheduled
+
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The rollouts generated but not trained on (the one in flight is waited for). One
@@ -196,10 +213,11 @@ class RolloutPipeline:
             {"index": p.index, "sampled_at": p.sampled_at, "prompt_ids": p.prompt_ids,
              "rollout": rollout_to_dict(p.future.result())}
             for p in done
-        ]}
+        ], "step_versions": [[step, version] for step, version in sorted(self.step_versions.items())]}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.pending = {}
+        self.step_versions = {int(step): int(version) for step, version in state.get("step_versions", [])}
         for item in state.get("pending", []):
             future: Future = Future()
             future.set_result(rollout_from_dict(item["rollout"], device))

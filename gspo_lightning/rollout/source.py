@@ -139,7 +139,8 @@ class PipelinedRollouts(RolloutSource):
         return rollout
 
     def next(self, step: int, batch: dict, policy_version: int) -> tuple[Rollout, Stats]:
-        rollout, stats = self.pipeline.next(step, batch, lambda: self.worker.capture_weights(policy_version, self.policy_weights))
+        rollout, stats = self.pipeline.next(step, batch, lambda: self.worker.capture_weights(policy_version, self.policy_weights),
+                                            policy_version)
         stats["async/lag_versions"] = float(policy_version - rollout.policy_version)
         return rollout, stats
 

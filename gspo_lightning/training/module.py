@@ -355,7 +355,7 @@ class GSPOModule(L.LightningModule):
             max_staleness=max_staleness, stale_rollouts=hp.stale_rollouts, datamodule=self.trainer.datamodule,
             dynamic_sampling_rounds=hp.max_sampling_rounds if fit and hp.dynamic_sampling else None,
             sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
-            behaviour_logprobs=self._logprobs_no_grad if self.clip_budget is not None else None, gather=gather_objects,
+            behaviour_logprobs=self._behaviour_logprobs if self.clip_budget is not None else None, gather=gather_objects,
         )
         if self._pending_rollouts is not None:  # what the checkpoint's run generated ahead
             source.load_state_dict(self._pending_rollouts, self.device)
@@ -437,6 +437,11 @@ class GSPOModule(L.LightningModule):
         finally:
             model.train(was_training)
         return logprobs.clone()  # a normal tensor again, usable next to autograd tensors
+
+    def _behaviour_logprobs(self, model, rollout: Rollout) -> Tensor:
+        """The clip budget's o_b, on the producer thread: under the trainer's precision (autocast is per thread)."""
+        with self.trainer.precision_plugin.forward_context():
+            return self._logprobs_no_grad(model, rollout)
 
     def _needs_old_pass(self, num_responses: int) -> bool:
         """With exactly one update, the old log-probs equal the first forward's own: skip the pass."""
