@@ -314,8 +314,12 @@ class RemoteEngine(RolloutEngine):
 
     # -- faults --------------------------------------------------------------------------
     def _with_recovery(self, url: str, call: Callable[[], dict]) -> dict:
-        """``call()``, waiting out a lost server (backoff) and re-pushing to a restarted one."""
-        deadline, delay = time.monotonic() + self.reconnect_s, 0.5
+        """``call()``, waiting out a lost server (backoff) and re-pushing to a restarted one.
+
+        The ``reconnect_s`` budget starts at the first failure, not at the call (which may
+        itself wait long, e.g. for a version), and a server that answers again is checked
+        (and re-pushed when it restarted) before the run gives up, however long that took."""
+        deadline, delay = None, 0.5
         while True:
             try:
                 return call()
@@ -325,22 +329,25 @@ class RemoteEngine(RolloutEngine):
                 if error.kind == "session":
                     raise RolloutServerError(f"the rollout server at {url} is in use by another trainer: {error}") from None
                 problem = str(error)  # not at the version asked for: restarted, or a push was lost
+            deadline = time.monotonic() + self.reconnect_s if deadline is None else deadline
+            try:
+                if self._recover(url):
+                    continue  # restarted and re-pushed: the call is worth another try
+            except _Unreachable as error:
+                problem = f"unreachable ({error})"
             if time.monotonic() >= deadline:
                 raise RolloutServerError(f"the rollout server at {url} is {problem}, and did not recover within "
                                          f"{self.reconnect_s:.0f} s (model.engine.init_args.reconnect_s)")
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
-            try:
-                self._recover(url)
-            except _Unreachable:
-                continue
 
-    def _recover(self, url: str) -> None:
-        """A server that answers again: if it restarted, hold it and give it the current weights."""
+    def _recover(self, url: str) -> bool:
+        """A server that answers again: if it restarted, hold it and give it the current weights
+        (returns True then)."""
         with self._recovering:
             info = request_json(url, "/info", timeout=30.0)
             if info["server_id"] == self.server_ids.get(url) and (self.pushed is None or info["version"] >= 0):
-                return
+                return False
             self._check_identity(url, info)
             self._hold(url)
             pushed = self.pushed
@@ -348,6 +355,7 @@ class RemoteEngine(RolloutEngine):
                 reply = request_json(url, "/weights", {"token": self.token, **pushed}, self.timeout_s)
                 self._check_loaded(url, reply, pushed["version"], pushed["manifest"]["checksum"])
             self.server_ids[url] = info["server_id"]
+            return True
 
     def close(self) -> None:
         for url in self.urls or []:

@@ -363,8 +363,9 @@ class GSPOModule(L.LightningModule):
         return source
 
     def teardown(self, stage: str) -> None:
-        if self.rollouts is not None:
+        if self.rollouts is not None:  # the producer first: it may be using the engine
             self.rollouts.close()
+        self.worker.close()  # engines, started servers and pushed weight files now, not at interpreter exit
 
     def on_validation_start(self) -> None:
         if self.rollouts is not None:  # the engine gets the current weights for evaluation: idle first
