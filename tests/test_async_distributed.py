@@ -1,7 +1,11 @@
 """Asynchronous GSPO on 2 CPU ranks (gloo): a run with ``max_staleness`` k = 1 and k = 2
 stopped after step 2 and resumed equals the straight 4-step run bit for bit (weights and
 every logged metric, on each rank). Each rank samples its own prompts with its own seed, so
-this needs every rank's rollouts generated ahead in the checkpoint, not rank 0's."""
+this needs every rank's rollouts generated ahead in the checkpoint, not rank 0's.
+
+The same k = 1 run from a rollout server that rank 0 starts (``RemoteEngine``: the weight
+push, with its collective over the ranks, runs on the producer thread beside the update's
+collectives) equals the in-process float32 copy's run bit for bit."""
 
 import subprocess
 import sys
@@ -24,10 +28,12 @@ def same(a: dict, b: dict) -> bool:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           "--ks", "1", "2", "--steps", "4", "--stop_at", "2", "--out_dir", str(out)]
+           "--ks", "1", "2", "--steps", "4", "--stop_at", "2", "--remote", "--out_dir", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {k: [torch.load(out / f"k{k}" / f"rank{r}.pt", weights_only=False) for r in range(2)] for k in (1, 2)}
+    runs = {k: [torch.load(out / f"k{k}" / f"rank{r}.pt", weights_only=False) for r in range(2)] for k in (1, 2)}
+    runs["remote"] = [torch.load(out / f"remote_rank{r}.pt", weights_only=False) for r in range(2)]
+    return runs
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -54,3 +60,13 @@ def test_async_two_ranks_stop_and_resume_equals_the_straight_run_bit_for_bit(run
         for step in (3, 4):
             assert same(resumed["metrics"][step], straight["metrics"][step]), f"rank {rank}, step {step}"
         assert [straight["metrics"][s]["async/lag"] for s in (1, 2, 3, 4)] == [min(s - 1, k) for s in (1, 2, 3, 4)]
+
+
+def test_async_two_ranks_from_a_rollout_server_equal_the_in_process_copy(runs):
+    for rank in range(2):
+        local, remote = runs[1][rank]["straight"], runs["remote"][rank]["straight"]
+        for name in local["state"]:
+            assert torch.equal(local["state"][name], remote["state"][name]), f"rank {rank}: {name}"
+        assert [remote["metrics"][s]["async/lag"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+        for step in (1, 2, 3, 4):
+            assert remote["metrics"][step]["reward/mean"] == local["metrics"][step]["reward/mean"]

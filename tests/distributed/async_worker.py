@@ -35,12 +35,12 @@ class StepMetrics(L.Callback):
             k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/")) and k != "step_s"}
 
 
-def run(k: int, steps: int, folder: str, ckpt_path=None) -> dict:
+def run(k: int, steps: int, folder: str, ckpt_path=None, engine=None) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(5, verbose=False)
     module = GSPOModule(
         model_name_or_path="builtin:tiny-echo", rewards=[RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")],
-        engine=HFCopyEngine(dtype="float32"), num_return_sequences_in_group=4, response_length=5, num_mini_batches=2,
+        engine=engine or HFCopyEngine(dtype="float32"), num_return_sequences_in_group=4, response_length=5, num_mini_batches=2,
         max_staleness=k, off_policy=OffPolicyCorrection(mode="decoupled"), export_on_fit_end=False,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
     )
@@ -62,6 +62,8 @@ def main():
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--stop_at", type=int, default=2)
+    parser.add_argument("--remote", action="store_true",
+                        help="also a straight k = 1 run from a rollout server rank 0 starts (weights pushed by the producer)")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -77,6 +79,11 @@ def main():
         resumed = run(k, args.steps, stopped_dir, ckpt_path=ckpt)
         torch.save({"straight": straight, "stopped": stopped, "resumed": resumed, "checkpoint_gspo": saved["gspo"],
                     "world": int(os.environ.get("WORLD_SIZE", "1"))}, os.path.join(base, f"rank{rank}.pt"))
+    if args.remote:
+        from gspo_lightning.rollout import RemoteEngine
+
+        remote = run(1, args.steps, os.path.join(args.out_dir, "remote"), engine=RemoteEngine(urls=None, start_timeout_s=120))
+        torch.save({"straight": remote}, os.path.join(args.out_dir, f"remote_rank{rank}.pt"))
     # tear the process group down before exit (a gloo thread alive at shutdown aborts the process)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
