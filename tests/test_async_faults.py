@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from gspo_lightning.rollout import FolderTransport, HFCopyEngine, RemoteEngine, SamplingParams
@@ -86,3 +87,46 @@ def test_the_end_of_fit_closes_the_engine(tmp_path):
     module = make_module(engine=HFCopyEngine(dtype="float32"))
     fit(module, tmp_path, max_steps=1)
     assert module.worker.started is False
+
+
+def _collective_order_worker(rank, port, out_dir):
+    """Rank 0 all-reduces on the trainer's group before the engine shares a push outcome (on
+    another thread); rank 1 the other way round, as a producer thread and a training thread may."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    engine = RemoteEngine(urls=["http://127.0.0.1:1"])
+    engine.world_size = 2
+    engine._make_group()
+    shared = []
+    producer = threading.Thread(target=lambda: (time.sleep(0.5 if rank == 0 else 0.0),
+                                                shared.append(engine._share(("manifest of rank", rank)))))
+    producer.start()
+    time.sleep(0.0 if rank == 0 else 0.5)
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    producer.join(30)
+    torch.save({"sum": float(total), "shared": shared}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_the_engines_collective_from_another_thread_does_not_mix_with_the_trainers(tmp_path):
+    """On the trainer's own group the two orders pair rank 0's all-reduce with rank 1's
+    broadcast: gloo times out (checked once by hand); on the engine's group both complete."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_collective_order_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"{rank}.pt")
+        assert result == {"sum": pytest.approx(3.0), "shared": [("manifest of rank", 0)]}, rank

@@ -183,10 +183,7 @@ class RemoteEngine(RolloutEngine):
                     urls = [self.child.start(self.start_timeout_s)]
             except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
                 failure = str(error)
-        if self.world_size > 1 and self._group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # pushes run on the producer thread when max_staleness >= 1: their collective gets a process group of
-            # its own, so it never interleaves with the trainer's collectives (whose order it cannot know)
-            self._group = torch.distributed.new_group(backend="gloo")
+        self._make_group()
         # one token for the trainer's ranks; the started server's URL for all of them
         urls, token, failure = self._share((urls, uuid.uuid4().hex, failure))
         if failure:
@@ -206,6 +203,13 @@ class RemoteEngine(RolloutEngine):
             prompt_length=spec.prompt_length, response_length=spec.response_length, seed=spec.seed,
             engine=self.server_engine or dict(DEFAULT_ENGINE),
         )
+
+    def _make_group(self) -> None:
+        """The process group of :meth:`_share` (a collective, called at start on every rank)."""
+        if self.world_size > 1 and self._group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # pushes run on the producer thread when max_staleness >= 1: their collective gets a process group of
+            # its own, so it never interleaves with the trainer's collectives (whose order it cannot know)
+            self._group = torch.distributed.new_group(backend="gloo")
 
     def _share(self, value):
         """``value`` of rank 0 on every rank (a collective on the engine's own group: every rank
