@@ -1,7 +1,9 @@
 """Asynchronous GSPO on 2 CPU ranks (gloo): a run with ``max_staleness`` k = 1 and k = 2
 stopped after step 2 and resumed equals the straight 4-step run bit for bit (weights and
 every logged metric, on each rank). Each rank samples its own prompts with its own seed, so
-this needs every rank's rollouts generated ahead in the checkpoint, not rank 0's.
+this needs every rank's rollouts generated ahead in the checkpoint, not rank 0's. The same
+for the synchronous loop with dynamic sampling (k = 0, stopped after step 3), whose ranks
+have drawn different numbers of extra prompt batches by then.
 
 The same k = 1 run from a rollout server that rank 0 starts (``RemoteEngine``: the weight
 push, with its collective over the ranks, runs on the producer thread beside the update's
@@ -28,24 +30,28 @@ def same(a: dict, b: dict) -> bool:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           "--ks", "1", "2", "--steps", "4", "--stop_at", "2", "--remote", "--out_dir", str(out)]
+           "--ks", "0", "1", "2", "--steps", "4", "--stop_at", "2", "--stop_at_dynamic", "3", "--remote", "--out_dir", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    runs = {k: [torch.load(out / f"k{k}" / f"rank{r}.pt", weights_only=False) for r in range(2)] for k in (1, 2)}
+    runs = {k: [torch.load(out / f"k{k}" / f"rank{r}.pt", weights_only=False) for r in range(2)] for k in (0, 1, 2)}
     runs["remote"] = [torch.load(out / f"remote_rank{r}.pt", weights_only=False) for r in range(2)]
     return runs
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [0, 1, 2])
 def test_async_two_ranks_stop_and_resume_equals_the_straight_run_bit_for_bit(runs, k):
     ranks = runs[k]
     saved = ranks[0]["checkpoint_gspo"]["ranks"]
-    # every rank's queue is in the checkpoint: batches 2 .. k + 1, each rank's own prompts
     assert len(saved) == 2
-    for state in saved:
-        assert [p["index"] for p in state["pending_rollouts"]["pending"]] == list(range(2, k + 2))
-    prompts = [[p["prompt_ids"] for p in state["pending_rollouts"]["pending"]] for state in saved]
-    assert prompts[0] != prompts[1], "the ranks hold the same prompts: the test could not tell their queues apart"
+    stop = 3 if k == 0 else 2
+    if k == 0:  # each rank's own extra prompt position is in the checkpoint
+        extra = [state["data"]["extra_batches_consumed"] for state in saved]
+        assert extra[0] != extra[1], "the ranks drew as many extra batches: the test could not tell them apart"
+    else:  # every rank's queue is in the checkpoint: batches 2 .. k + 1, each rank's own prompts
+        for state in saved:
+            assert [p["index"] for p in state["pending_rollouts"]["pending"]] == list(range(2, k + 2))
+        prompts = [[p["prompt_ids"] for p in state["pending_rollouts"]["pending"]] for state in saved]
+        assert prompts[0] != prompts[1], "the ranks hold the same prompts: the test could not tell their queues apart"
     for rank, result in enumerate(ranks):
         assert result["world"] == 2
         straight, resumed = result["straight"], result["resumed"]
@@ -53,13 +59,13 @@ def test_async_two_ranks_stop_and_resume_equals_the_straight_run_bit_for_bit(run
         assert moved > 0, "steps 3 and 4 did not change the weights: the comparison would prove nothing"
         for name in straight["state"]:
             assert torch.equal(straight["state"][name], resumed["state"][name]), f"rank {rank}: {name}"
-        # the straight run's steps 3 and 4 against the resumed run's; 1 and 2 against the stopped run's
-        assert sorted(straight["metrics"]) == [1, 2, 3, 4] and sorted(resumed["metrics"]) == [3, 4]
-        for step in (1, 2):
-            assert same(result["stopped"]["metrics"][step], straight["metrics"][step]), f"rank {rank}, step {step}"
-        for step in (3, 4):
-            assert same(resumed["metrics"][step], straight["metrics"][step]), f"rank {rank}, step {step}"
-        assert [straight["metrics"][s]["async/lag"] for s in (1, 2, 3, 4)] == [min(s - 1, k) for s in (1, 2, 3, 4)]
+        # the straight run's steps after the stop against the resumed run's, the others against the stopped run's
+        assert sorted(straight["metrics"]) == [1, 2, 3, 4] and sorted(resumed["metrics"]) == list(range(stop + 1, 5))
+        for step in range(1, 5):
+            run = result["stopped"] if step <= stop else resumed
+            assert same(run["metrics"][step], straight["metrics"][step]), f"rank {rank}, step {step}"
+        if k > 0:
+            assert [straight["metrics"][s]["async/lag"] for s in (1, 2, 3, 4)] == [min(s - 1, k) for s in (1, 2, 3, 4)]
 
 
 def test_async_two_ranks_from_a_rollout_server_equal_the_in_process_copy(runs):

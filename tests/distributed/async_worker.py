@@ -1,4 +1,5 @@
-"""Asynchronous GSPO (``max_staleness: k``) on the ranks torchrun starts: for each ``k``, a
+"""Asynchronous GSPO (``max_staleness: k``) on the ranks torchrun starts (``k = 0``: the
+synchronous loop with dynamic sampling): for each ``k``, a
 straight run of ``--steps`` steps, a run stopped after ``--stop_at`` steps (checkpoint every
 step) and its resume to ``--steps``. Each rank saves, per run, the final weights, the metrics
 logged at every step and the checkpoint's per-rank rollouts; tests/test_async_distributed.py
@@ -35,11 +36,25 @@ class StepMetrics(L.Callback):
             k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/")) and k != "step_s"}
 
 
+def any_echo_reward(prompts, completions, target, **columns) -> list[float]:
+    """1 when some judged word echoes the target: many groups of the untrained model score all 0."""
+    from gspo_lightning.data.tasks.echo import echo_reward
+
+    return [float(score > 0) for score in echo_reward(prompts, completions, target)]
+
+
+# k -> what that run adds; k = 0 is the synchronous loop with dynamic sampling, whose extra
+# prompt stream's position differs between ranks (each generates its own extra rounds)
+SETTINGS = {0: {"dynamic_sampling": True, "max_sampling_rounds": 2,
+                "rewards": [RewardSpec(function="async_worker.any_echo_reward")]}}
+
+
 def run(k: int, steps: int, folder: str, ckpt_path=None, engine=None) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(5, verbose=False)
+    settings = {"rewards": [RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")], **SETTINGS.get(k, {})}
     module = GSPOModule(
-        model_name_or_path="builtin:tiny-echo", rewards=[RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")],
+        model_name_or_path="builtin:tiny-echo", **settings,
         engine=engine or HFCopyEngine(dtype="float32"), num_return_sequences_in_group=4, response_length=5, num_mini_batches=2,
         max_staleness=k, off_policy=OffPolicyCorrection(mode="decoupled"), export_on_fit_end=False,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
@@ -62,6 +77,7 @@ def main():
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--stop_at", type=int, default=2)
+    parser.add_argument("--stop_at_dynamic", type=int, default=3, help="k = 0's stop (where the ranks' extra rounds differ)")
     parser.add_argument("--remote", action="store_true",
                         help="also a straight k = 1 run from a rollout server rank 0 starts (weights pushed by the producer)")
     parser.add_argument("--out_dir", required=True)
@@ -73,11 +89,12 @@ def main():
         base = os.path.join(args.out_dir, f"k{k}")
         straight = run(k, args.steps, os.path.join(base, "straight"))
         stopped_dir = os.path.join(base, "stopped")
-        stopped = run(k, args.stop_at, stopped_dir)
+        stopped = run(k, args.stop_at_dynamic if k == 0 else args.stop_at, stopped_dir)
         ckpt = os.path.join(stopped_dir, "ckpt", "last.ckpt")
         saved = torch.load(ckpt, map_location="cpu", weights_only=True)
         resumed = run(k, args.steps, stopped_dir, ckpt_path=ckpt)
         torch.save({"straight": straight, "stopped": stopped, "resumed": resumed, "checkpoint_gspo": saved["gspo"],
+                    "checkpoint_data": saved.get("PromptDataModule"),
                     "world": int(os.environ.get("WORLD_SIZE", "1"))}, os.path.join(base, f"rank{rank}.pt"))
     if args.remote:
         from gspo_lightning.rollout import RemoteEngine
