@@ -218,14 +218,27 @@ def test_a_failure_on_another_rank_stops_this_rank_on_the_same_step_with_the_sam
 
     def gather(value):  # rank 1's rollout of batch 1 failed; this is rank 0
         calls.append(value)
-        return [value, (RewardError, "the grader is down")] if len(calls) == 2 else [value, None]
+        return [value, ((RewardError, "the grader is down"), 0)] if len(calls) == 2 else [value, (None, 0)]
 
     pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1, gather=gather)
     pipeline.next(0, batch_at(0), producer.push(0))
     with pytest.raises(RewardError, match="prompt batch 1 failed on rank 1: the grader is down"):
         pipeline.next(1, batch_at(1), producer.push(1))
-    assert calls == [None, None]  # this rank's own rollouts were fine
+    assert calls == [(None, 0), (None, 1)]  # this rank's own rollouts were fine (lags 0 and 1)
     pipeline.close()
+
+
+def test_the_ranks_decide_the_window_on_the_largest_lag():
+    """Rank 1's engine reported older weights (lag 2 > k = 1): this rank, whose rollout is in
+    the window, must regenerate too, or the ranks would part ways (one generating, one not)."""
+    producer = FakeProducer()
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1,
+                               gather=lambda value: [value, (None, 2 if value[1] == 1 else value[1])])
+    pipeline.next(0, batch_at(0), producer.push(0))
+    rollout, stats = pipeline.next(1, batch_at(1), producer.push(1))
+    pipeline.close()
+    assert stats["async/out_of_window"] == 1.0 and stats["async/regenerated"] == 1.0
+    assert producer.calls[-1] == (1, 1)  # sampled again with the weights of step 1
 
 
 def test_rollout_serialization_round_trip():

@@ -125,15 +125,16 @@ class RolloutPipeline:
             pending.future.exception()  # waits, without raising
         return time.perf_counter() - start
 
-    def _agree(self, index: int, future: Future) -> None:
-        """Raise on every rank when step ``index``'s rollout failed on one (a collective): a rank
-        that went on alone would wait in the update's collectives. The other ranks raise an
-        error of the same class (so every rank writes the same checkpoint), naming the rank."""
+    def _agree(self, index: int, future: Future, lag: int = 0) -> int:
+        """The ranks' common view of step ``index``'s rollout (a collective): raise on every rank
+        when it failed on one (a rank that went on alone would wait in the update's collectives;
+        the others raise an error of the same class, naming the rank, so every rank writes the
+        same checkpoint); else the largest ``lag`` over ranks, so all decide the window alike."""
         error = future.exception()
-        outcomes = self.gather(None if error is None else (type(error), str(error)))
+        outcomes = self.gather((None if error is None else (type(error), str(error)), lag))
         if error is not None:
             raise error
-        failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+        failed = [(rank, outcome) for rank, (outcome, _) in enumerate(outcomes) if outcome is not None]
         if failed:
             rank, (kind, message) = failed[0]
             try:
@@ -141,6 +142,7 @@ class RolloutPipeline:
             except Exception:  # noqa: BLE001 - an exception class with another signature
                 raised = RuntimeError(f"the rollout of prompt batch {index} failed on rank {rank}: {kind.__name__}: {message}")
             raise raised
+        return max(lag for _, lag in outcomes)
 
     def next(self, step: int, batch: dict, capture_weights: WeightsCapture,
              version: Optional[int] = None) -> tuple[Rollout, dict[str, float]]:
@@ -171,12 +173,13 @@ class RolloutPipeline:
         start = time.perf_counter()
         pending.future.exception()  # waits, without raising
         waited += time.perf_counter() - start
-        self._agree(index, pending.future)
+        done = pending.future.exception() is None
+        sampled_at = self._sampled_at(pending.sampled_at, pending.future.result().policy_version) if done else pending.sampled_at
+        lag = self._agree(index, pending.future, step - sampled_at)
         rollout = pending.future.result()
         if pending.prompt_ids != [list(p) for p in batch["prompt_ids"]]:
             raise RuntimeError(f"the rollout queued for prompt batch {index} answers other prompts than the loader's "
                                f"batch {index}: the prompt stream and the pipeline are out of step")
-        lag = step - self._sampled_at(pending.sampled_at, rollout.policy_version)
         stats = {"async/lag": float(lag), "async/out_of_window": 0.0, "async/regenerated": 0.0}
         if lag > self.max_staleness:
             stats["async/out_of_window"] = 1.0
