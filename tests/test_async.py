@@ -108,6 +108,34 @@ def test_the_weight_push_runs_on_the_producer_while_the_step_trains():
     assert all(e[2].startswith("rollout-producer") for e in events if e[0] == "push")
 
 
+def test_the_lag_counts_the_version_the_engine_reports():
+    """k = 1, versions 10 x the step. From step 2 on the engine stops taking weights and keeps
+    reporting version 10 (step 1's): step 2's rollout, scheduled at step 1, is fine (lag 1);
+    step 3's, scheduled at step 2, was sampled with step 1's weights: lag 2, out of the window,
+    sampled again (by this engine, again with version 10: reweighting is then the only way)."""
+    producer = FakeProducer()
+    frozen = {"from": 2}
+
+    def push(step):
+        def captured():
+            def sent():
+                if step < frozen["from"]:
+                    producer.weights_step = 10 * step
+                return {}
+            return sent, {}
+        return captured
+
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1, stale_rollouts="reweight")
+    lags = []
+    for step in range(4):
+        rollout, stats = pipeline.next(step, batch_at(step), push(step), version=10 * step)
+        lags.append((stats["async/lag"], stats["async/out_of_window"]))
+    pipeline.close()
+    assert lags == [(0.0, 0.0), (1.0, 0.0), (1.0, 0.0), (2.0, 1.0)]
+    state = pipeline.state_dict()
+    assert state["step_versions"] == [[0, 0], [1, 10], [2, 20], [3, 30]]  # kept for the resumed run
+
+
 def test_a_rollout_for_other_prompts_is_refused():
     producer = FakeProducer()
     pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1)
@@ -142,7 +170,7 @@ def test_checkpoint_round_trip_and_the_window_after_a_smaller_k(policy):
     resumed.close()
 
 
-def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_the_next_step():
+def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_its_own_step():
     producer = FakeProducer()
 
     def generate(batch, step):
@@ -154,9 +182,63 @@ def test_a_failed_generation_is_left_out_of_the_checkpoint_and_raised_by_the_nex
     pipeline.next(0, batch_at(0), producer.push(0))  # submits 0, 1, 2
     state = pipeline.state_dict()  # the checkpoint written as the run stops: no exception here
     assert [p["index"] for p in state["pending"]] == [1]
+    pipeline.next(1, batch_at(1), producer.push(1))  # batch 1 finished before the failure: trained
     with pytest.raises(RuntimeError, match="the grader is down"):
-        pipeline.next(1, batch_at(1), producer.push(1))
+        pipeline.next(2, batch_at(2), producer.push(2))
     pipeline.close()
+
+
+def test_a_failure_ahead_loses_no_finished_batch_and_stops_the_producer_at_once():
+    """k = 2: batch 3 fails on the producer while step 1 trains. Step 2 still trains on batch
+    2 (finished before the failure), batch 4 is not generated (the engine is not called
+    again), step 3 raises batch 3's error, and the checkpoint then holds no failed batch."""
+    producer = FakeProducer()
+
+    def generate(batch, step):
+        if step == 3:
+            raise RuntimeError("the rollout server is gone")
+        return producer.generate(batch, step)
+
+    pipeline = RolloutPipeline(generate, batch_at, max_staleness=2)
+    run(pipeline, producer, 2)  # steps 0 and 1: batches 0 .. 3 submitted, batch 3 fails
+    rollout, stats = pipeline.next(2, batch_at(2), producer.push(2))  # batch 2 was finished: trained
+    assert rollout.input_ids.shape[0] == 2 and stats["async/lag"] == 2.0
+    with pytest.raises(RuntimeError, match="the rollout server is gone"):
+        pipeline.next(3, batch_at(3), producer.push(3))
+    assert [step for step, _ in producer.calls] == [0, 1, 2]  # batch 4 was never generated
+    assert pipeline.state_dict()["pending"] == []  # 4 failed at once ("not generated"): sampled again on resume
+    pipeline.close()
+
+
+def test_a_failure_on_another_rank_stops_this_rank_on_the_same_step_with_the_same_error_class():
+    from gspo_lightning.rewards.base import RewardError
+
+    producer = FakeProducer()
+    calls = []
+
+    def gather(value):  # rank 1's rollout of batch 1 failed; this is rank 0
+        calls.append(value)
+        return [value, ((RewardError, "the grader is down"), 0)] if len(calls) == 2 else [value, (None, 0)]
+
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1, gather=gather)
+    pipeline.next(0, batch_at(0), producer.push(0))
+    with pytest.raises(RewardError, match="prompt batch 1 failed on rank 1: the grader is down"):
+        pipeline.next(1, batch_at(1), producer.push(1))
+    assert calls == [(None, 0), (None, 1)]  # this rank's own rollouts were fine (lags 0 and 1)
+    pipeline.close()
+
+
+def test_the_ranks_decide_the_window_on_the_largest_lag():
+    """Rank 1's engine reported older weights (lag 2 > k = 1): this rank, whose rollout is in
+    the window, must regenerate too, or the ranks would part ways (one generating, one not)."""
+    producer = FakeProducer()
+    pipeline = RolloutPipeline(producer.generate, batch_at, max_staleness=1,
+                               gather=lambda value: [value, (None, 2 if value[1] == 1 else value[1])])
+    pipeline.next(0, batch_at(0), producer.push(0))
+    rollout, stats = pipeline.next(1, batch_at(1), producer.push(1))
+    pipeline.close()
+    assert stats["async/out_of_window"] == 1.0 and stats["async/regenerated"] == 1.0
+    assert producer.calls[-1] == (1, 1)  # sampled again with the weights of step 1
 
 
 def test_rollout_serialization_round_trip():
@@ -184,6 +266,23 @@ def test_bad_staleness_settings_are_one_clear_line(tmp_path):
         make_module(off_policy=OffPolicyCorrection(mode="bypass"))
     with pytest.raises(ValueError, match="HFEngine samples from the policy's own weights"):
         fit(make_module(max_staleness=1), tmp_path, max_steps=1)
+
+
+def test_stale_rollouts_trained_as_on_policy_are_warned_once_at_start():
+    import warnings
+
+    from gspo_lightning.objective.offpolicy import OffPolicyCorrection
+    from gspo_lightning.rollout import HFCopyEngine
+    from tests.test_module import make_module
+
+    with pytest.warns(UserWarning, match="trained as if the current policy had sampled them") as caught:
+        make_module(max_staleness=2, engine=HFCopyEngine(dtype="float32"))
+    assert sum("trained as if" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a correction, or the engine's log-probs as the old policy: no warning
+        make_module(max_staleness=2, engine=HFCopyEngine(dtype="float32"), off_policy=OffPolicyCorrection(mode="decoupled"))
+        make_module(max_staleness=2, engine=HFCopyEngine(dtype="float32"), old_logprobs="engine")
+        make_module(engine=HFCopyEngine(dtype="float32"))
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +313,7 @@ def test_async_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     resumed = tmp_path / "resumed"
     main(["fit", "--config", str(async_config(resumed, 2, 2))])
     saved = torch.load(resumed / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert [(p["index"], p["sampled_at"]) for p in saved["gspo"]["pending_rollouts"]["pending"]] == [(2, 0), (3, 1)]
+    assert [(p["index"], p["sampled_at"]) for p in saved["gspo"]["ranks"][0]["pending_rollouts"]["pending"]] == [(2, 0), (3, 1)]
     main(["fit", "--config", str(async_config(resumed, 5, 2)), "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
 
     a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
@@ -249,7 +348,7 @@ def test_a_failing_reward_on_the_producer_stops_the_run_with_a_checkpoint_and_it
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     # batch 2 was generated (and failed) on the producer during step 1; step 2 raised it; the
     # resumed run goes on with batch 3, as the synchronous loop does after a failed step
-    assert saved["global_step"] == 2 and saved["gspo"]["pending_rollouts"] == {"pending": []}
+    assert saved["global_step"] == 2 and saved["gspo"]["ranks"][0]["pending_rollouts"]["pending"] == []
     again = module()
     fit(again, tmp_path / "resumed", max_steps=4, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
     assert again.policy_version == 8

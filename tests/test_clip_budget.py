@@ -111,3 +111,23 @@ def test_bounds_are_the_log_of_the_ratio_range():
     counts = attribute_clips(parts, ("update",), torch.ones(2, 1, dtype=torch.bool), torch.tensor([1.0, 1.0]),
                              level="seq", clip_low=LOW, clip_high=HIGH)
     assert float(counts["clipped"]) == pytest.approx(1.0)
+
+
+def test_the_producer_computes_o_b_under_the_trainers_precision():
+    """o_b is taken on the producer thread, where the training step's autocast (thread-local)
+    does not reach: it must enter the trainer's precision itself, as the trainer's o does."""
+    import threading
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from tests.test_module import make_module
+
+    module = make_module()
+    module._trainer = SimpleNamespace(precision_plugin=MixedPrecision("bf16-mixed", "cpu"))
+    module._logprobs_no_grad = lambda model, rollout: (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(module._behaviour_logprobs(None, None)))
+    thread.start()
+    thread.join()
+    assert seen == [(True, torch.bfloat16)]

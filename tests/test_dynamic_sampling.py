@@ -182,3 +182,14 @@ def test_without_an_extra_prompt_stream_the_error_says_what_to_change():
     with pytest.raises(ValueError, match="an unsharded policy"):  # ranks would generate different numbers of rounds
         rollout_source(worker, lambda: iter(()), torch.device("cpu"), lambda step: step,
                        datamodule=SimpleNamespace(extra_batch=lambda: {}), dynamic_sampling_rounds=3, sharded=True)
+
+
+def test_dynamic_sampling_with_a_non_group_estimator_is_refused():
+    """reinforce's baseline is the batch: a zero-variance filler group would train with
+    advantage reward - batch mean, not 0."""
+    import pytest
+
+    from tests.test_module import make_module
+
+    with pytest.raises(ValueError, match="dynamic_sampling with adv_estimator=reinforce: the zero-variance groups"):
+        make_module(dynamic_sampling=True, adv_estimator="reinforce")

@@ -127,3 +127,25 @@ def test_conflicting_keys_are_named():
         warnings.simplefilter("error")
         assert check_correction(OffPolicyCorrection(level="token"), old_logprobs="recompute", importance_sampling="token") == []
         assert check_correction(None, old_logprobs="engine", importance_sampling="token") == []
+
+
+def test_metrics_cover_the_whole_batch_over_ranks_not_a_mean_of_per_rank_values():
+    """Two ranks: weights [1, 1] on one, [3] on the other. Over the batch the ESS is
+    (1 + 1 + 3)^2 / (3 * (1 + 1 + 9)) = 25/33 and the mean weight 5/3; each rank alone has
+    an ESS of 1 (a mean of per-rank values would say 1). ``reduce_sum`` stands for the
+    all-reduce: it adds the other rank's (sum w, sum w^2, n)."""
+    from gspo_lightning.objective.offpolicy import importance_weights
+    from gspo_lightning.training.metrics import StepMetrics
+
+    correction = OffPolicyCorrection(level="token", method="truncate", truncate_at=5.0)
+    rank_a = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool))  # w = 1, 1
+    rank_b = (torch.full((1, 1), math.log(3.0)), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool))  # w = 3
+    sums_a, sums_b = torch.tensor([2.0, 2.0, 2.0], dtype=torch.float64), torch.tensor([3.0, 9.0, 1.0], dtype=torch.float64)
+    assert correct(*rank_a, correction).metrics["ess"] == pytest.approx(1.0)  # one rank alone
+    metrics = StepMetrics()
+    importance_weights(*rank_a, correction, metrics, reduce_sum=lambda t: t + sums_b)
+    importance_weights(*rank_b, correction, metrics, reduce_sum=lambda t: t + sums_a)
+    values = metrics.compute()
+    assert values["off_policy/ess"] == pytest.approx(25 / 33)
+    assert values["off_policy/weight_mean"] == pytest.approx(5 / 3)
+    assert values["off_policy/weight_max"] == pytest.approx(3.0)

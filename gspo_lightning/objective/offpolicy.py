@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -144,48 +144,63 @@ class Correction:
     metrics: dict[str, float]
 
 
-def correct(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, correction: OffPolicyCorrection) -> Correction:
+def correct(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, correction: OffPolicyCorrection,
+            reduce_sum: Optional[Callable[[Tensor], Tensor]] = None) -> Correction:
     """The weights of one rollout and their metrics.
 
     Metrics (over tokens for ``token``, over responses with a valid token otherwise):
     ``weight_mean`` / ``weight_max`` of the raw weights, ``bounded_frac`` (truncated or
     masked), and ``ess``: the normalized effective sample size ``(sum w)^2 / (n sum w^2)``
-    of the bounded weights (1: all equal; 1/n: one sample carries everything).
+    of the bounded weights (1: all equal; 1/n: one sample carries everything), over the
+    whole batch: ``reduce_sum`` (the sum over data-parallel ranks; a collective every rank
+    calls) adds up ``sum w``, ``sum w^2`` and ``n`` of all ranks, not a mean of per-rank sizes.
+    ``metrics["units"]`` is this rank's count, the weight of its means.
     """
     valid = mask.bool()
     log_w = log_weights(old_logprobs, behaviour_logprobs, mask, correction.level)
     bounded, raw, flags = bound_weights(log_w, correction)
     units = valid if correction.level == "token" else valid.any(-1)
-    metrics = weight_metrics(bounded[units], raw[units], flags[units])
+    metrics = weight_metrics(bounded[units], raw[units], flags[units], reduce_sum)
     if correction.level == "token":
         bounded = torch.where(valid, bounded, torch.zeros_like(bounded))
     return Correction(weights=bounded if correction.mode == "decoupled" else None, metrics=metrics)
 
 
 def importance_weights(old_logprobs: Optional[Tensor], behaviour_logprobs: Tensor, mask: Tensor,
-                       correction: Optional[OffPolicyCorrection], metrics) -> Optional[Tensor]:
+                       correction: Optional[OffPolicyCorrection], metrics,
+                       reduce_sum: Optional[Callable[[Tensor], Tensor]] = None) -> Optional[Tensor]:
     """One rollout's weights for the update (``None``: no correction set, bypass, or no trainer
     log-probs ``o`` to weigh against), with their metrics added to ``metrics`` (a
     ``StepMetrics``) as ``off_policy/*``."""
     if correction is None or old_logprobs is None:
         return None
-    result = correct(old_logprobs, behaviour_logprobs, mask, correction)
+    result = correct(old_logprobs, behaviour_logprobs, mask, correction, reduce_sum)
+    units = result.metrics.pop("units", 0.0)
     for name, value in result.metrics.items():
-        metrics.update(f"off_policy/{name}", value, kind="max" if name == "weight_max" else "mean")
+        # means weighted by this rank's units: the batch's mean over ranks (the ESS is the same on every rank)
+        metrics.update(f"off_policy/{name}", value, weight=units if name in ("weight_mean", "bounded_frac") else 1.0,
+                       kind="max" if name == "weight_max" else "mean")
     return result.weights
 
 
-def weight_metrics(bounded: Tensor, raw: Tensor, flags: Tensor) -> dict[str, float]:
+def weight_metrics(bounded: Tensor, raw: Tensor, flags: Tensor,
+                   reduce_sum: Optional[Callable[[Tensor], Tensor]] = None) -> dict[str, float]:
+    """The metrics of one rollout's weights (see :func:`correct`); ``reduce_sum`` sums over ranks
+    (every rank calls it, also one with no unit); this rank's means are NaN without units."""
     n = bounded.numel()
-    if n == 0:
+    sums = torch.stack([bounded.double().sum(), bounded.double().square().sum(),
+                        torch.tensor(float(n), dtype=torch.float64, device=bounded.device)])
+    total, sum_sq, count = (float(v) for v in (reduce_sum(sums) if reduce_sum is not None else sums))
+    if count == 0:
         return {}
-    sum_sq = float(bounded.square().sum())
+    nan = float("nan")  # ignored by the means and the max over ranks
     return {
-        "weight_mean": float(raw.mean()),
-        "weight_max": float(raw.max()),
-        "bounded_frac": float(flags.float().mean()),
+        "weight_mean": float(raw.mean()) if n else nan,
+        "weight_max": float(raw.max()) if n else nan,
+        "bounded_frac": float(flags.float().mean()) if n else nan,
         # all weights masked: no sample left, an effective size of 0
-        "ess": float(bounded.sum()) ** 2 / (n * sum_sq) if sum_sq > 0 else 0.0,
+        "ess": total ** 2 / (count * sum_sq) if sum_sq > 0 else 0.0,
+        "units": float(n),
     }
 
 

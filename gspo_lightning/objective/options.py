@@ -88,6 +88,11 @@ def validate_gspo_settings(s: dict[str, Any]) -> None:
         problems.append(f"max_sampling_rounds must be >= 0 (extra generation rounds per step), got {s['max_sampling_rounds']}")
     if s.get("dynamic_sampling") and G < 2:
         problems.append("dynamic_sampling keeps groups whose rewards differ: set num_return_sequences_in_group >= 2")
+    if s.get("dynamic_sampling") and s["adv_estimator"] not in GROUP_ESTIMATORS:
+        # its filler groups (all rewards equal) get advantage 0 only from an estimator that compares within a group
+        problems.append(f"dynamic_sampling with adv_estimator={s['adv_estimator']}: the zero-variance groups that fill a step "
+                        f"would train with non-zero advantages (reward minus a batch baseline); use a group estimator "
+                        f"({', '.join(GROUP_ESTIMATORS)}) or turn dynamic_sampling off")
     if s["reward_shift"] and s["reward_scale"]:
         problems.append("reward_shift and reward_scale are exclusive (set neither to both shift and scale)")
     if s["routing_replay"] and s["old_logprobs"] == "engine":
@@ -177,6 +182,11 @@ def _warn_surprises(s: dict[str, Any]) -> None:
                     f"stay within ~1e-3 of 1, so a token-sized clip range almost never clips (the paper uses 3e-4 / 4e-4)",
                     stacklevel=4,
                 )
+    if s.get("max_staleness", 0) > 0 and not s.get("off_policy") and s["old_logprobs"] == "recompute":
+        warnings.warn(f"max_staleness={s['max_staleness']} with old_logprobs=recompute and no off_policy correction: "
+                      f"rollouts up to {s['max_staleness']} step(s) old are trained as if the current policy had "
+                      f"sampled them (nothing weighs the staleness); set off_policy: {{mode: decoupled}} (or "
+                      f"old_logprobs=engine, whose ratio then sees the staleness)", stacklevel=4)
     if s["reward_norm"] in ("group", "batch") and (s["reward_shift"] or s["reward_scale"]):
         which = "reward_shift" if s["reward_shift"] else "reward_scale"
         warnings.warn(f"{which} with reward_norm={s['reward_norm']}: here it means {'subtract the mean only' if s['reward_shift'] else 'divide by the std only'}; "

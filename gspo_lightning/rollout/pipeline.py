@@ -41,6 +41,10 @@ from gspo_lightning.rollout.worker import Rollout
 StaleRollouts = Literal["regenerate", "reweight"]
 
 
+class NotGenerated(RuntimeError):
+    """A queued batch the producer skipped because an earlier generation failed."""
+
+
 @dataclass
 class PendingRollout:
     index: int  # its prompt batch's index in the prompt stream (the step that trains on it, unless a failed step skipped one)
@@ -65,18 +69,30 @@ class RolloutPipeline:
         batch_at: ``batch_at(index) -> batch``, a future prompt batch.
         max_staleness: ``k >= 1``, the largest lag (in rollout steps) a rollout may have.
         stale_rollouts: what to do with a rollout beyond ``k``: ``regenerate`` or ``reweight``.
+        gather: ``gather(value)``, every rank's ``value`` in rank order (a collective, called on
+            the training thread once per step): ranks stop on the same step when one rank's
+            rollout failed. ``[value]`` on one process.
+
+    A failed generation is raised by the step that trains on it, never earlier: the batches
+    before it that finished are trained on (and checkpointed), as the synchronous loop
+    would. After a failure the producer generates nothing more (the queued jobs fail at
+    once, without touching the engine), so stopping does not wait out an engine's timeouts
+    once per queued batch; those batches are sampled again by the resumed run.
     """
 
     def __init__(self, generate: Callable[[dict, int], Rollout], batch_at: Callable[[int], dict], max_staleness: int,
-                 stale_rollouts: StaleRollouts = "regenerate"):
+                 stale_rollouts: StaleRollouts = "regenerate", gather: Callable[[Any], list] = lambda value: [value]):
         if max_staleness < 1:
             raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
         if stale_rollouts not in ("regenerate", "reweight"):
             raise ValueError(f"stale_rollouts must be regenerate or reweight, got {stale_rollouts!r}")
         self.generate, self.batch_at = generate, batch_at
         self.max_staleness, self.stale_rollouts = max_staleness, stale_rollouts
+        self.gather = gather
         self.pending: dict[int, PendingRollout] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
+        self.failed: Optional[int] = None  # the first batch whose generation failed
+        self.step_versions: dict[int, int] = {}  # rollout step -> the policy version captured at its start
 
     def _executor(self) -> ThreadPoolExecutor:
         if self.executor is None:
@@ -85,8 +101,14 @@ class RolloutPipeline:
 
     def _run(self, batch: dict, step: int, push: Optional[Callable[[], dict[str, float]]] = None) -> Future:
         def job() -> Rollout:
-            timings = push() if push is not None else {}  # the weights first: the producer runs jobs in order
-            rollout = self.generate(batch, step)
+            if self.failed is not None:  # the engine (or a reward) failed on an earlier batch: stop at once
+                raise NotGenerated(f"prompt batch {step} was not generated: the generation of batch {self.failed} failed")
+            try:
+                timings = push() if push is not None else {}  # the weights first: the producer runs jobs in order
+                rollout = self.generate(batch, step)
+            except BaseException:
+                self.failed = step
+                raise
             rollout.timings.update(timings)
             return rollout
         return self._executor().submit(job)
@@ -96,22 +118,49 @@ class RolloutPipeline:
         self.pending[index] = PendingRollout(index, sampled_at, [list(p) for p in batch["prompt_ids"]], future)
 
     def drain(self) -> float:
-        """Wait for every submitted rollout; returns the seconds waited. Raises what the producer raised."""
+        """Wait until the producer is idle; returns the seconds waited. A failed generation is
+        not raised here but by the step that trains on its batch (the batches before it are trained)."""
         start = time.perf_counter()
         for pending in list(self.pending.values()):
-            pending.future.result()
+            pending.future.exception()  # waits, without raising
         return time.perf_counter() - start
 
-    def next(self, step: int, batch: dict, capture_weights: WeightsCapture) -> tuple[Rollout, dict[str, float]]:
+    def _agree(self, index: int, future: Future, lag: int = 0) -> int:
+        """The ranks' common view of step ``index``'s rollout (a collective): raise on every rank
+        when it failed on one (a rank that went on alone would wait in the update's collectives;
+        the others raise an error of the same class, naming the rank, so every rank writes the
+        same checkpoint); else the largest ``lag`` over ranks, so all decide the window alike."""
+        error = future.exception()
+        outcomes = self.gather((None if error is None else (type(error), str(error)), lag))
+        if error is not None:
+            raise error
+        failed = [(rank, outcome) for rank, (outcome, _) in enumerate(outcomes) if outcome is not None]
+        if failed:
+            rank, (kind, message) = failed[0]
+            try:
+                raised = kind(f"the rollout of prompt batch {index} failed on rank {rank}: {message}")
+            except Exception:  # noqa: BLE001 - an exception class with another signature
+                raised = RuntimeError(f"the rollout of prompt batch {index} failed on rank {rank}: {kind.__name__}: {message}")
+            raise raised
+        return max(lag for _, lag in outcomes)
+
+    def next(self, step: int, batch: dict, capture_weights: WeightsCapture,
+             version: Optional[int] = None) -> tuple[Rollout, dict[str, float]]:
         """Step ``step``'s rollout (``batch`` is that step's prompts, as the loader gave them)
         and the pipeline's metrics for the step.
 
         ``capture_weights() -> (push, timings)`` copies the policy's current weights and
         returns the push that sends the copy (``None``: the engine has them already), as
-        :meth:`RolloutWorker.capture_weights` does; the producer runs the push."""
+        :meth:`RolloutWorker.capture_weights` does; the producer runs the push. ``version``:
+        the policy version captured (what the engine reports after the push); with it the
+        lag counts the version the engine reports it sampled with, not only the schedule."""
         index = int(batch.get("index", step))
         waited = self.drain()
         push, timings = capture_weights()
+        if version is not None:
+            self.step_versions[step] = version
+            for old in [s for s in self.step_versions if s < step - 4 * self.max_staleness - 4]:
+                del self.step_versions[old]
         for skipped in [i for i in self.pending if i < index]:  # batches a failed step consumed
             del self.pending[skipped]
         for ahead in range(index, index + self.max_staleness + 1):
@@ -122,23 +171,38 @@ class RolloutPipeline:
             self._executor().submit(push).result()
         pending = self.pending.pop(index)
         start = time.perf_counter()
-        rollout = pending.future.result()
+        pending.future.exception()  # waits, without raising
         waited += time.perf_counter() - start
+        done = pending.future.exception() is None
+        sampled_at = self._sampled_at(pending.sampled_at, pending.future.result().policy_version) if done else pending.sampled_at
+        lag = self._agree(index, pending.future, step - sampled_at)
+        rollout = pending.future.result()
         if pending.prompt_ids != [list(p) for p in batch["prompt_ids"]]:
             raise RuntimeError(f"the rollout queued for prompt batch {index} answers other prompts than the loader's "
                                f"batch {index}: the prompt stream and the pipeline are out of step")
-        lag = step - pending.sampled_at
         stats = {"async/lag": float(lag), "async/out_of_window": 0.0, "async/regenerated": 0.0}
         if lag > self.max_staleness:
             stats["async/out_of_window"] = 1.0
             if self.stale_rollouts == "regenerate":
                 self.drain()  # the engine holds this step's weights; the queued batches go first
-                rollout = self._run(batch, index).result()  # the engine got this step's weights above
+                future = self._run(batch, index)  # the engine got this step's weights above
+                future.exception()
+                self._agree(index, future)
+                rollout = future.result()
                 stats["async/regenerated"] = 1.0
                 stats["async/lag"] = 0.0
         stats["time/wait_rollout"] = waited
         stats.update(timings)
         return rollout, stats
+
+    def _sampled_at(self, scheduled: int, reported: int) -> int:
+        """The step whose weights sampled a rollout: the scheduled one when the engine reports its
+        version (or versions are not known), else the last step whose weights the engine reports
+        (an engine that fell behind: the lag, and the window, see it)."""
+        if self.step_versions.get(scheduled, reported) == reported:
+            return scheduled
+        steps = [s for s, v in self.step_versions.items() if v == reported]
+        return max(steps) if steps else scheduled
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -152,10 +216,11 @@ class RolloutPipeline:
             {"index": p.index, "sampled_at": p.sampled_at, "prompt_ids": p.prompt_ids,
              "rollout": rollout_to_dict(p.future.result())}
             for p in done
-        ]}
+        ], "step_versions": [[step, version] for step, version in sorted(self.step_versions.items())]}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.pending = {}
+        self.step_versions = {int(step): int(version) for step, version in state.get("step_versions", [])}
         for item in state.get("pending", []):
             future: Future = Future()
             future.set_result(rollout_from_dict(item["rollout"], device))
@@ -188,4 +253,4 @@ def rollout_from_dict(state: dict[str, Any], device: torch.device) -> Rollout:
     return Rollout(**{k: on_device(v) for k, v in state.items()})
 
 
-__all__ = ["PendingRollout", "RolloutPipeline", "StaleRollouts", "WeightsCapture", "rollout_from_dict", "rollout_to_dict"]
+__all__ = ["NotGenerated", "PendingRollout", "RolloutPipeline", "StaleRollouts", "WeightsCapture", "rollout_from_dict", "rollout_to_dict"]

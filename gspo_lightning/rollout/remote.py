@@ -204,6 +204,7 @@ class RemoteEngine(RolloutEngine):
         self.pushed: Optional[Manifest] = None  # the last push: re-sent to a restarted server
         self.checksums: dict[int, str] = {}  # recent versions pushed -> checksum of their weights
         self._recovering = threading.Lock()
+        self._group = None  # the process group of this engine's collectives (several ranks)
         self.last_load_seconds = 0.0
 
     # -- start ---------------------------------------------------------------------------
@@ -231,6 +232,7 @@ class RemoteEngine(RolloutEngine):
                     urls = [self.child.start(self.start_timeout_s)]
             except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
                 failure = str(error)
+        self._make_group()
         # one session token and secret for the trainer's ranks; the started server's URL for all of them
         urls, token, secret, failure = self._share((urls, uuid.uuid4().hex, secret, failure))
         if failure:
@@ -251,11 +253,19 @@ class RemoteEngine(RolloutEngine):
             engine=self.server_engine or dict(DEFAULT_ENGINE),
         )
 
+    def _make_group(self) -> None:
+        """The process group of :meth:`_share` (a collective, called at start on every rank)."""
+        if self.world_size > 1 and self._group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # pushes run on the producer thread when max_staleness >= 1: their collective gets a process group of
+            # its own, so it never interleaves with the trainer's collectives (whose order it cannot know)
+            self._group = torch.distributed.new_group(backend="gloo")
+
     def _share(self, value):
-        """``value`` of rank 0 on every rank (a collective: every rank calls it, in the same order)."""
-        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        """``value`` of rank 0 on every rank (a collective on the engine's own group: every rank
+        calls it in the same order, from the producer thread or, while it is idle, the training thread)."""
+        if self._group is not None:
             holder = [value]
-            torch.distributed.broadcast_object_list(holder, src=0)
+            torch.distributed.broadcast_object_list(holder, src=0, group=self._group)
             return holder[0]
         return value
 
@@ -373,8 +383,12 @@ class RemoteEngine(RolloutEngine):
 
     # -- faults --------------------------------------------------------------------------
     def _with_recovery(self, url: str, call: Callable[[], dict]) -> dict:
-        """``call()``, waiting out a lost server (backoff) and re-pushing to a restarted one."""
-        deadline, delay = time.monotonic() + self.reconnect_s, 0.5
+        """``call()``, waiting out a lost server (backoff) and re-pushing to a restarted one.
+
+        The ``reconnect_s`` budget starts at the first failure, not at the call (which may
+        itself wait long, e.g. for a version), and a server that answers again is checked
+        (and re-pushed when it restarted) before the run gives up, however long that took."""
+        deadline, delay = None, 0.5
         while True:
             try:
                 return call()
@@ -384,22 +398,25 @@ class RemoteEngine(RolloutEngine):
                 if error.kind == "session":
                     raise RolloutServerError(f"the rollout server at {url} is in use by another trainer: {error}") from None
                 problem = str(error)  # not at the version asked for: restarted, or a push was lost
+            deadline = time.monotonic() + self.reconnect_s if deadline is None else deadline
+            try:
+                if self._recover(url):
+                    continue  # restarted and re-pushed: the call is worth another try
+            except _Unreachable as error:
+                problem = f"unreachable ({error})"
             if time.monotonic() >= deadline:
                 raise RolloutServerError(f"the rollout server at {url} is {problem}, and did not recover within "
                                          f"{self.reconnect_s:.0f} s (model.engine.init_args.reconnect_s)")
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
-            try:
-                self._recover(url)
-            except _Unreachable:
-                continue
 
-    def _recover(self, url: str) -> None:
-        """A server that answers again: if it restarted, hold it and give it the current weights."""
+    def _recover(self, url: str) -> bool:
+        """A server that answers again: if it restarted, hold it and give it the current weights
+        (returns True then)."""
         with self._recovering:
             info = self._call(url, "/info", timeout=30.0)
             if info["server_id"] == self.server_ids.get(url) and (self.pushed is None or info["version"] >= 0):
-                return
+                return False
             self._check_identity(url, info)
             pushed = self.pushed
             if pushed is not None and not self.transport.resendable:
@@ -411,6 +428,7 @@ class RemoteEngine(RolloutEngine):
                 reply = self._call(url, "/weights", {"token": self.token, **pushed})
                 self._check_loaded(url, check_weights_reply(url, reply), pushed["version"], pushed["manifest"]["checksum"])
             self.server_ids[url] = info["server_id"]
+            return True
 
     def close(self) -> None:
         for url in self.urls or []:

@@ -118,15 +118,18 @@ class PipelinedRollouts(RolloutSource):
         behaviour_logprobs: ``behaviour_logprobs(model, rollout)``, the trainer's log-probs of a
             rollout under ``model``: when set and the engine is an exact float32 copy of the
             policy, the producer also takes them at the sampling weights (the clip budget's ``o_b``).
+        gather: ``gather(value)``: every rank's ``value`` (a collective on the training thread;
+            ``training.rank_state.gather_objects``): ranks stop together when one rank's rollout failed.
     """
 
     def __init__(self, worker: RolloutWorker, policy_weights: WeightsSource, device: torch.device, seed: Callable[[int], int], *,
                  batch_at: Callable[[int], dict], max_staleness: int, stale_rollouts: StaleRollouts = "regenerate",
-                 behaviour_logprobs: Optional[Callable[[nn.Module, Rollout], Tensor]] = None):
+                 behaviour_logprobs: Optional[Callable[[nn.Module, Rollout], Tensor]] = None,
+                 gather: Callable[[Any], list] = lambda value: [value]):
         super().__init__(worker, policy_weights, device, seed)
         exact = is_exact_float32_copy(worker.engine)
         self.behaviour_logprobs = behaviour_logprobs if exact else None
-        self.pipeline = RolloutPipeline(self._produce, batch_at, max_staleness, stale_rollouts)
+        self.pipeline = RolloutPipeline(self._produce, batch_at, max_staleness, stale_rollouts, gather)
 
     def _produce(self, batch: dict, index: int) -> Rollout:
         """On the producer thread: the rollout of prompt batch ``index`` with the engine's current weights."""
@@ -136,7 +139,8 @@ class PipelinedRollouts(RolloutSource):
         return rollout
 
     def next(self, step: int, batch: dict, policy_version: int) -> tuple[Rollout, Stats]:
-        rollout, stats = self.pipeline.next(step, batch, lambda: self.worker.capture_weights(policy_version, self.policy_weights))
+        rollout, stats = self.pipeline.next(step, batch, lambda: self.worker.capture_weights(policy_version, self.policy_weights),
+                                            policy_version)
         stats["async/lag_versions"] = float(policy_version - rollout.policy_version)
         return rollout, stats
 
@@ -161,7 +165,8 @@ def is_exact_float32_copy(engine: RolloutEngine) -> bool:
 def rollout_source(worker: RolloutWorker, policy_weights: WeightsSource, device: torch.device, seed: Callable[[int], int], *,
                    max_staleness: int = 0, stale_rollouts: StaleRollouts = "regenerate", datamodule: Any = None,
                    dynamic_sampling_rounds: Optional[int] = None, sharded: bool = False, pad_token_id: int = 0,
-                   behaviour_logprobs: Optional[Callable[[nn.Module, Rollout], Tensor]] = None) -> RolloutSource:
+                   behaviour_logprobs: Optional[Callable[[nn.Module, Rollout], Tensor]] = None,
+                   gather: Callable[[Any], list] = lambda value: [value]) -> RolloutSource:
     """The source ``max_staleness`` asks for; one-line errors for what cannot work with it.
 
     ``datamodule`` provides ``train_batch(index)`` (prompts of future steps, ``k >= 1``) and
@@ -186,7 +191,7 @@ def rollout_source(worker: RolloutWorker, policy_weights: WeightsSource, device:
         raise ValueError("max_staleness > 0 reads the prompt batches of future steps with the data module's "
                          "train_batch(index): use gspo_lightning.data.PromptDataModule (or give yours that method)")
     return PipelinedRollouts(worker, policy_weights, device, seed, batch_at=batch_at, max_staleness=max_staleness,
-                             stale_rollouts=stale_rollouts, behaviour_logprobs=behaviour_logprobs)
+                             stale_rollouts=stale_rollouts, behaviour_logprobs=behaviour_logprobs, gather=gather)
 
 
 __all__ = ["PipelinedRollouts", "RolloutSource", "SynchronousRollouts", "is_exact_float32_copy", "rollout_source"]

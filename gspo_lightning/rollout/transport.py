@@ -172,8 +172,22 @@ class FolderTransport(WeightTransport):
             Path(self.path).mkdir(parents=True, exist_ok=True)
             return Path(self.path).resolve()  # the server may run in another working directory
         if self._own_root is None:
-            self._own_root = tempfile.mkdtemp(prefix="gspo-weights-", dir=default_weights_root())
+            base = Path(default_weights_root())
+            remove_dead_runs_folders(base)
+            # the pid in the name: a later run removes this folder if this process dies without cleaning up (SIGKILL)
+            self._own_root = tempfile.mkdtemp(prefix=f"{OWN_ROOT_PREFIX}{os.getpid()}-", dir=base)
         return Path(self._own_root)
+
+    def push(self, weights: WeightsIterator, version: int, deliver: Callable[[Manifest], Any]) -> tuple[Manifest, Any]:
+        try:
+            manifest = self.send(weights, version)
+            return manifest, deliver(manifest)
+        except BaseException:
+            # a push that failed (a full disk, a refused load) leaves no copy of the weights behind
+            folder = self._root() / f"v{version}"
+            if folder != self._current:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
 
     def send(self, weights: WeightsIterator, version: int) -> Manifest:
         from safetensors.torch import save_file
@@ -281,6 +295,29 @@ class FolderTransport(WeightTransport):
         if self._own_root is not None:
             shutil.rmtree(self._own_root, ignore_errors=True)
             self._own_root = None
+
+
+OWN_ROOT_PREFIX = "gspo-weights-"
+
+
+def remove_dead_runs_folders(base: Path) -> list[Path]:
+    """Remove this user's ``gspo-weights-<pid>-*`` folders in ``base`` whose process is gone
+    (a run killed before it could clean up leaves a full copy of the weights, in RAM when
+    ``base`` is ``/dev/shm``). A live process's folder, another user's, or one without a pid
+    in its name is left alone. Returns the folders removed."""
+    removed = []
+    for folder in base.glob(f"{OWN_ROOT_PREFIX}*-*"):
+        pid = folder.name[len(OWN_ROOT_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or not folder.is_dir() or folder.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # raises ProcessLookupError when no such process
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        except OSError:  # PermissionError: alive, another user's; or the folder went meanwhile
+            continue
+    return removed
 
 
 def _bucket_refusal(name: Any) -> ValueError:
@@ -455,4 +492,4 @@ RECEIVERS: dict[str, type[WeightTransport]] = {FolderTransport.kind: FolderTrans
 
 
 __all__ = ["FolderTransport", "InProcessTransport", "NCCLTransport", "RECEIVERS", "WeightTransport", "WeightsChecksum",
-           "checksum_of", "connect_unless_refused", "default_weights_root", "nccl_layout"]
+           "checksum_of", "connect_unless_refused", "default_weights_root", "nccl_layout", "remove_dead_runs_folders"]

@@ -67,6 +67,7 @@ from gspo_lightning.training.distributed import GradientSync, all_ranks_true, al
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
 from gspo_lightning.training.metrics import StepMetrics, step_values
+from gspo_lightning.training.rank_state import gather_objects, rank_states, restore_rank_state
 from gspo_lightning.training.strategy_ops import StrategyOps
 from gspo_lightning.training.update import MetricHook, PolicyUpdater, update_settings
 
@@ -375,7 +376,7 @@ class GSPOModule(L.LightningModule):
             max_staleness=max_staleness, stale_rollouts=hp.stale_rollouts, datamodule=self.trainer.datamodule,
             dynamic_sampling_rounds=hp.max_sampling_rounds if fit and hp.dynamic_sampling else None,
             sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
-            behaviour_logprobs=self._logprobs_no_grad if self.clip_budget is not None else None,
+            behaviour_logprobs=self._behaviour_logprobs if self.clip_budget is not None else None, gather=gather_objects,
         )
         if self._pending_rollouts is not None:  # what the checkpoint's run generated ahead
             source.load_state_dict(self._pending_rollouts, self.device)
@@ -383,8 +384,9 @@ class GSPOModule(L.LightningModule):
         return source
 
     def teardown(self, stage: str) -> None:
-        if self.rollouts is not None:
+        if self.rollouts is not None:  # the producer first: it may be using the engine
             self.rollouts.close()
+        self.worker.close()  # engines, started servers and pushed weight files now, not at interpreter exit
 
     def on_validation_start(self) -> None:
         if self.rollouts is not None:  # the engine gets the current weights for evaluation: idle first
@@ -464,6 +466,11 @@ class GSPOModule(L.LightningModule):
                 return self._logprobs_no_grad(self.policy, rollout)
         return self._logprobs_no_grad(self.reference, rollout) if self.reference is not None else None
 
+    def _behaviour_logprobs(self, model, rollout: Rollout) -> Tensor:
+        """The clip budget's o_b, on the producer thread: under the trainer's precision (autocast is per thread)."""
+        with self.trainer.precision_plugin.forward_context():
+            return self._logprobs_no_grad(model, rollout)
+
     def _needs_old_pass(self, num_responses: int) -> bool:
         """With exactly one update, the old log-probs equal the first forward's own: skip the pass."""
         s, hp = self.updater.settings, self.hparams
@@ -502,7 +509,8 @@ class GSPOModule(L.LightningModule):
             self.clip_budget.begin(old=trainer_old, behaviour=rollout.engine_logprobs,
                                    behaviour_old=rollout.behaviour_trainer_logprobs, old_is_behaviour=hp.old_logprobs == "engine",
                                    same_weights=rollout.policy_version == self.policy_version)
-        is_weights = importance_weights(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy, self.step_metrics)
+        is_weights = importance_weights(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy,
+                                        self.step_metrics, all_reduce_sum)  # the ESS over all ranks' units
 
         _, advantages = rewards_to_advantages(
             rollout.rewards, rollout.response_mask, rollout.group_size,
@@ -594,9 +602,9 @@ class GSPOModule(L.LightningModule):
             "loggers": [identity for identity in map(logger_identity, self.trainer.loggers) if identity],
             **(self.updater.state_dict() if self.updater is not None else self._updater_state),
         }
-        pending = self.rollouts.state_dict() if self.rollouts is not None else None
-        if pending is not None:  # what was generated but not trained on yet
-            checkpoint["gspo"]["pending_rollouts"] = pending
+        # every rank's own rollouts generated ahead and data position: Lightning writes rank 0's dict only
+        checkpoint["gspo"]["ranks"] = rank_states(self.rollouts.state_dict() if self.rollouts is not None else None,
+                                                  self.trainer.datamodule)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         frozen = frozen_state_keys(self)
@@ -609,7 +617,9 @@ class GSPOModule(L.LightningModule):
             self._updater_state = {k: state.get(k, 0) for k in ("skipped_updates", "consecutive_nonfinite")}
             if self.updater is not None:
                 self.updater.load_state_dict(self._updater_state)
-            self._pending_rollouts = state.get("pending_rollouts")
+            trainer = self._trainer  # None: loaded outside a fit (load_from_checkpoint)
+            self._pending_rollouts = restore_rank_state(checkpoint, self.global_rank, trainer.world_size if trainer else 1,
+                                                        trainer.datamodule if trainer else None)
             if self.rollouts is not None and self._pending_rollouts is not None:
                 self.rollouts.load_state_dict(self._pending_rollouts, self.device)
                 self._pending_rollouts = None

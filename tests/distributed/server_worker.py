@@ -28,6 +28,22 @@ class Rewards(L.Callback):
         self.rewards.append(float(trainer.callback_metrics["reward/mean"]))
 
 
+class FinalPush(L.Callback):
+    """At the end of training (before teardown closes the engine and its server): the final
+    weights, pushed once more, and the checksum the server then reports."""
+
+    def __init__(self, engine):
+        self.engine, self.result = engine, {}
+
+    def on_train_end(self, trainer, module):
+        full = [(name, tensor.clone()) for name, tensor in iter_policy_weights(module.policy)]  # a collective (FSDP2)
+        module.worker.sync_weights(module.policy_version + 1, lambda: iter_policy_weights(module.policy))
+        if trainer.global_rank == 0:
+            info = request_json(self.engine.urls[0], "/info", secret=self.engine.secret)
+            self.result.update(server_checksum=info["checksum"], server_version=info["version"],
+                               trainer_checksum=naive_checksum(full))
+
+
 def naive_checksum(pairs):
     """sha256 over name|dtype|shape|bytes, written out here (not the product's WeightsChecksum)."""
     digest = hashlib.sha256()
@@ -73,8 +89,10 @@ def run(strategy_name: str, engine_name: str, out_dir: str, save_as: str):
 
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     rewards = Rewards()
+    final = FinalPush(engine)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=3, logger=False, callbacks=[rewards],
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=3, logger=False,
+        callbacks=[rewards] + ([final] if engine_name == "server" else []),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out_dir,
     )
@@ -82,12 +100,8 @@ def run(strategy_name: str, engine_name: str, out_dir: str, save_as: str):
 
     full = [(name, tensor.clone()) for name, tensor in iter_policy_weights(module.policy)]  # a collective (FSDP2)
     result = {"state": {name: t for name, t in full}, "rewards": rewards.rewards, "world": world}
-    if engine_name == "server":
-        module.worker.sync_weights(module.policy_version + 1, lambda: iter_policy_weights(module.policy))
-        if trainer.global_rank == 0:
-            info = request_json(engine.urls[0], "/info", secret=engine.secret)
-            result.update(server_checksum=info["checksum"], server_version=info["version"], trainer_checksum=naive_checksum(full))
-        module.worker.close()
+    result.update(final.result)
+    assert not module.worker.started, "the end of fit closes the engine (and the server it started)"
     if trainer.global_rank == 0:
         torch.save(result, os.path.join(out_dir, f"{save_as}.pt"))
 
