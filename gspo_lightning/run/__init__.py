@@ -12,6 +12,7 @@ EXPORTS = {
     **dict.fromkeys(["TrainingCurves", "plot_history"], "plotting"),
     **dict.fromkeys(["PreemptionCheckpoint", "Preempted"], "preemption"),
     "configure_cpu_env": "cpu_env",
+    "run_callbacks": "callbacks",
     **dict.fromkeys(["save_policy", "export_checkpoint"], "export"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

@@ -14,6 +14,7 @@ EXPORTS = {
     **dict.fromkeys(["loss_mask", "micro_batches", "rows_with_advantage"], "row_filters"),
     **dict.fromkeys(["response_logprobs", "token_logprobs"], "logprobs"),
     **dict.fromkeys(["StepMetrics", "record_rollout"], "metrics"),
+    **dict.fromkeys(["drop_frozen_weights", "restore_frozen_weights", "run_state"], "checkpointing"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
 __all__ = sorted(EXPORTS)

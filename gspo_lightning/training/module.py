@@ -11,17 +11,9 @@ One ``training_step`` turns a batch of prompts into updates:
    call through the strategy (``training/strategy_ops.py``)
 5. metrics -> loggers
 
-Three counters, one meaning each (docs/architecture.md):
-
-- ``policy_version``: optimizer steps taken, the version of the policy's weights. A rollout
-  carries the version that sampled it; staleness in versions and the logs' ``policy_version``
-  column read it.
-- ``rollout_steps``: training steps run (rollout batches trained on). Sampling seeds and the
-  asynchronous schedule count it. Checkpoints store both (``checkpoint["gspo"]``).
-- ``trainer.global_step`` (Lightning's): rollout steps that took at least one optimizer step;
-  ``max_steps``, the progress bar, the logs' ``step`` column, validation and checkpoint
-  intervals count it. It equals ``rollout_steps`` unless a step skipped all its updates
-  (non-finite losses), which Lightning does not count.
+Three counters, one meaning each (docs/architecture.md, "Counters"): ``policy_version``
+(optimizer steps taken: the weights' version), ``rollout_steps`` (rollout batches trained on)
+and Lightning's ``trainer.global_step`` (rollout steps that took an optimizer step).
 """
 
 from __future__ import annotations
@@ -38,14 +30,13 @@ from typing import Callable, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
-from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora, frozen_state_keys
+from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
 from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
 from gspo_lightning.objective.clip_budget import ClipBudget
 from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
@@ -60,14 +51,14 @@ from gspo_lightning.rollout.pipeline import StaleRollouts
 from gspo_lightning.rollout.sampling import step_seed
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.run.loggers import logger_identity
 from gspo_lightning.run.phases import PHASES
-from gspo_lightning.run.results import HeldOutResults, counts_as_evaluation, eval_step
+from gspo_lightning.run.results import counts_as_evaluation, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
 from gspo_lightning.training.metrics import StepMetrics, step_values
-from gspo_lightning.training.rank_state import gather_objects, rank_states, restore_rank_state
+from gspo_lightning.training.checkpointing import drop_frozen_weights, restore_frozen_weights, run_state
+from gspo_lightning.training.rank_state import gather_objects, restore_rank_state
 from gspo_lightning.training.strategy_ops import StrategyOps
 from gspo_lightning.training.update import MetricHook, PolicyUpdater, update_settings
 
@@ -350,16 +341,9 @@ class GSPOModule(L.LightningModule):
                              "[{function: gspo_lightning.rewards.math_accuracy}]")
 
     def configure_callbacks(self):
-        from gspo_lightning.run.plotting import TrainingCurves
-        from gspo_lightning.run.preemption import PreemptionCheckpoint
-        from gspo_lightning.run.progress import step_progress_bar
-        from gspo_lightning.run.summary import run_summary
+        from gspo_lightning.run.callbacks import run_callbacks
 
-        trainer = self.trainer
-        summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
-        # replace Lightning's bar and table (epochs, FLOPs) by ours, of the same kind; a disabled one stays off
-        extra = [step_progress_bar(trainer.progress_bar_callback), run_summary(summaries[0] if summaries else None)]
-        return [TrainingCurves(), HeldOutResults(), PreemptionCheckpoint(), *(c for c in extra if c is not None)]
+        return run_callbacks(self.trainer)
 
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
@@ -591,24 +575,14 @@ class GSPOModule(L.LightningModule):
 
     # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # frozen weights (the reference, LoRA's base) are the initial policy's: rebuilt from model_name_or_path on load
-        frozen = frozen_state_keys(self)
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
-        checkpoint["gspo"] = {
-            "policy_version": self.policy_version,
-            "rollout_steps": self.rollout_steps,
-            "running_rewards": self.running_rewards.state_dict(),
-            # where the run logs, so that `gspo fit --ckpt_path` continues the same version folders
-            "loggers": [identity for identity in map(logger_identity, self.trainer.loggers) if identity],
-            **(self.updater.state_dict() if self.updater is not None else self._updater_state),
-        }
-        # every rank's own rollouts generated ahead and data position: Lightning writes rank 0's dict only
-        checkpoint["gspo"]["ranks"] = rank_states(self.rollouts.state_dict() if self.rollouts is not None else None,
-                                                  self.trainer.datamodule)
+        drop_frozen_weights(checkpoint, self)  # the reference, LoRA's base: rebuilt from model_name_or_path on load
+        checkpoint["gspo"] = run_state(
+            policy_version=self.policy_version, rollout_steps=self.rollout_steps, running_rewards=self.running_rewards,
+            loggers=self.trainer.loggers, updater_state=self.updater.state_dict() if self.updater is not None else self._updater_state,
+            pending_rollouts=self.rollouts.state_dict() if self.rollouts is not None else None, datamodule=self.trainer.datamodule)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        frozen = frozen_state_keys(self)
-        checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items() if k in frozen})
+        restore_frozen_weights(checkpoint, self)
         state = checkpoint.get("gspo")
         if state:
             self.policy_version = state["policy_version"]

@@ -1,0 +1,44 @@
+"""What a GSPO checkpoint holds beside Lightning's own state, and what it leaves out.
+
+- Frozen weights (the KL reference, LoRA's base model) are not saved: they are the initial
+  policy's, rebuilt from ``model_name_or_path`` when the module is built, and put back into
+  the loaded state dict (:func:`drop_frozen_weights`, :func:`restore_frozen_weights`).
+- ``checkpoint["gspo"]`` (:func:`run_state`): the counters (``policy_version``,
+  ``rollout_steps``), the running reward moments, the loggers' version folders (so that
+  ``--ckpt_path`` continues them), the updater's skip counters, and every rank's rollouts
+  generated ahead and data position (``training/rank_state.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from gspo_lightning.models.lora import frozen_state_keys
+from gspo_lightning.run.loggers import logger_identity
+from gspo_lightning.training.rank_state import rank_states
+
+
+def drop_frozen_weights(checkpoint: dict, module: nn.Module) -> None:
+    frozen = frozen_state_keys(module)
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+
+
+def restore_frozen_weights(checkpoint: dict, module: nn.Module) -> None:
+    frozen = frozen_state_keys(module)
+    checkpoint["state_dict"].update({k: v for k, v in module.state_dict().items() if k in frozen})
+
+
+def run_state(*, policy_version: int, rollout_steps: int, running_rewards, loggers, updater_state: dict[str, int],
+              pending_rollouts: Optional[dict[str, Any]], datamodule) -> dict[str, Any]:
+    """``checkpoint["gspo"]`` (a collective: every rank's state is gathered into rank 0's)."""
+    return {
+        "policy_version": policy_version,
+        "rollout_steps": rollout_steps,
+        "running_rewards": running_rewards.state_dict(),
+        "loggers": [identity for identity in map(logger_identity, loggers) if identity],
+        **updater_state,
+        # every rank's own rollouts generated ahead and data position: Lightning writes rank 0's dict only
+        "ranks": rank_states(pending_rollouts, datamodule),
+    }
