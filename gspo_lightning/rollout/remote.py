@@ -388,20 +388,26 @@ class RemoteEngine(RolloutEngine):
         The ``reconnect_s`` budget starts at the first failure, not at the call (which may
         itself wait long, e.g. for a version), and a server that answers again is checked
         (and re-pushed when it restarted) before the run gives up, however long that took."""
-        deadline, delay = None, 0.5
+        deadline, delay, problem = None, 0.5, None
         while True:
-            try:
-                return call()
-            except _Unreachable as error:
-                problem = f"unreachable ({error})"
-            except _Conflict as error:
-                if error.kind == "session":
-                    raise RolloutServerError(f"the rollout server at {url} is in use by another trainer: {error}") from None
-                problem = str(error)  # not at the version asked for: restarted, or a push was lost
-            deadline = time.monotonic() + self.reconnect_s if deadline is None else deadline
+            if problem is None:
+                try:
+                    return call()
+                except _Unreachable as error:
+                    problem = f"unreachable ({error})"
+                except _Conflict as error:
+                    if error.kind == "session":
+                        raise RolloutServerError(f"the rollout server at {url} is in use by another trainer: {error}") from None
+                    problem = str(error)  # not at the version asked for: restarted, or a push was lost
+                deadline = time.monotonic() + self.reconnect_s if deadline is None else deadline
+            # the server is checked (and re-pushed when it restarted) before the call is tried again: a
+            # restarted server would hold the call for a version it cannot get without the push
+            answered = False
             try:
                 if self._recover(url):
-                    continue  # restarted and re-pushed: the call is worth another try
+                    problem = None
+                    continue
+                answered = True
             except _Unreachable as error:
                 problem = f"unreachable ({error})"
             if time.monotonic() >= deadline:
@@ -409,6 +415,8 @@ class RemoteEngine(RolloutEngine):
                                          f"{self.reconnect_s:.0f} s (model.engine.init_args.reconnect_s)")
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
+            if answered:
+                problem = None  # the same server answers again: the call is worth another try
 
     def _recover(self, url: str) -> bool:
         """A server that answers again: if it restarted, hold it and give it the current weights
