@@ -78,8 +78,9 @@ def _total_steps(trainer, fallback) -> Optional[float]:
     return trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else fallback
 
 
-class StepProgressBar(TQDMProgressBar):
-    """``step 37/100`` where 37 is ``trainer.global_step`` (resumed runs start where they were)."""
+class _TickingBar:
+    """What the tqdm and Rich bars share: a thread redraws the bar every second while training
+    (``_tick``: the elapsed time and, on a slow step, its phase), from the step's start time."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -87,10 +88,7 @@ class StepProgressBar(TQDMProgressBar):
         self._step_started: Optional[float] = None
 
     def _tick(self) -> None:
-        bar = self.train_progress_bar
-        if bar is not None and not bar.disable and self.trainer.training:
-            bar.set_description(phase_title(self._step_started, time.monotonic()), refresh=False)
-            bar.refresh()  # the elapsed time ticks too
+        raise NotImplementedError
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -105,6 +103,17 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._ticker.stop()
+        super().on_exception(trainer, pl_module, exception)
+
+
+class StepProgressBar(_TickingBar, TQDMProgressBar):
+    """``step 37/100`` where 37 is ``trainer.global_step`` (resumed runs start where they were)."""
+
+    def _tick(self) -> None:
+        bar = self.train_progress_bar
+        if bar is not None and not bar.disable and self.trainer.training:
+            bar.set_description(phase_title(self._step_started, time.monotonic()), refresh=False)
+            bar.refresh()  # the elapsed time ticks too
 
     def on_train_epoch_start(self, trainer, *args) -> None:
         # Lightning's version titles the bar "Epoch N" and counts from 0; only the bar's setup is kept
@@ -127,13 +136,8 @@ class StepProgressBar(TQDMProgressBar):
         bar.refresh()
 
 
-class RichStepProgressBar(RichProgressBar):
+class RichStepProgressBar(_TickingBar, RichProgressBar):
     """The Rich bar, counting ``trainer.global_step`` out of ``trainer.max_steps``."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._ticker = Ticker(self._tick)
-        self._step_started: Optional[float] = None
 
     def _get_train_description(self, current_epoch: int) -> str:
         return f"{DESCRIPTION:{len(self.validation_description)}}"  # padded: no flicker beside "Validation"
@@ -155,20 +159,6 @@ class RichStepProgressBar(RichProgressBar):
             self.progress.update(self.train_progress_bar_id, description=f"{title:{len(self.validation_description)}}")
             self.refresh()  # Lightning's refresh thread redraws only when asked: the elapsed time ticks too
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._ticker.start()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._step_started = time.monotonic()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._ticker.stop()
-        super().on_train_end(trainer, pl_module)
-
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        self._ticker.stop()
-        super().on_exception(trainer, pl_module, exception)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
