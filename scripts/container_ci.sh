@@ -187,16 +187,18 @@ end
 # --- 6. trainer and rollout server, two containers on a podman network
 if [ "$SERVER_PAIR" = 1 ]; then
     begin "trainer + rollout server containers"
-    export GSPO_SERVER_TOKEN=ci-$RANDOM$RANDOM  # the server's shared secret, passed to both
+    # the server's shared secret (at least 16 characters), passed to both through the environment
+    GSPO_SERVER_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(16))')
+    export GSPO_SERVER_TOKEN
     mkdir -p "$WORK/weights" "$WORK/runs_server"
     $SUDO chown "$RUN_UID:$RUN_GID" "$WORK/weights" "$WORK/runs_server"
     $PODMAN network create "$NET" >/dev/null
     # the port published on the host's loopback only
     $PODMAN run -d --name "$SERVER" --network "$NET" --user "$RUN_UID:$RUN_GID" -e GSPO_SERVER_TOKEN \
         -v "$WORK/weights:/weights" -p 127.0.0.1::8000 "$IMAGE" \
-        serve --config configs/quickstart_server.yaml --host 0.0.0.0 --port 8000 >/dev/null
+        serve --config configs/quickstart_server.yaml --host 0.0.0.0 --port 8000 --weights_root /weights >/dev/null
     port=$($PODMAN port "$SERVER" 8000/tcp | sed 's/.*://')
-    python3 - "$port" <<'PY'
+    python3 - "$port" <<'PY' || { $PODMAN logs "$SERVER" 2>&1 | tail -20; false; }
 import sys, time, urllib.request
 
 url = f"http://127.0.0.1:{sys.argv[1]}/health"
