@@ -228,3 +228,33 @@ def test_a_rollout_server_samples_from_the_adapted_policy(base_folder, tmp_path)
     finally:
         httpd.shutdown()
         app.close()
+
+
+def test_asynchronous_rollouts_come_from_the_adapters_of_their_version(base_folder, tmp_path):
+    """max_staleness 1 with a float32 copy engine: the copy the engine samples from holds the
+    merged adapters of exactly the version it reports (captured before that step's updates)."""
+    from gspo_lightning.objective.offpolicy import OffPolicyCorrection as Correction
+
+    snapshots = {}
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            # the weights this step captures for the engine, under the version they will carry
+            snapshots[module.policy_version] = {k: v.clone() for k, v in merged_state_dict(module.policy).items()}
+
+        def on_train_end(self, trainer, module):
+            engine = module.worker.engine
+            self.version = engine.weights_version
+            self.engine_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+    watch = Watch()
+    module = make_module(base_folder, engine=HFCopyEngine(dtype="float32"), max_staleness=1,
+                         off_policy=Correction(mode="decoupled"), optimizer=lambda p: torch.optim.AdamW(p, lr=5e-2))
+    fit(module, tmp_path, max_steps=4, callbacks=[watch])
+    assert watch.version > 0 and watch.version in snapshots  # a pushed version, not the initial weights
+    expected = snapshots[watch.version]
+    for name, value in watch.engine_state.items():
+        if name in expected:
+            torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=name)
+    moved = max((snapshots[watch.version][k] - snapshots[0][k]).abs().max() for k in expected)
+    assert moved > 1e-3  # the adapters had changed the merged weights by then
