@@ -38,7 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -58,7 +60,7 @@ METHODS = {
 CORRECTIONS = ("none", "decoupled", "bypass")
 SETUP = {
     "speed": dict(ks=[0, 1, 2], seeds=[0, 1, 2], steps=40),
-    "staleness": dict(ks=[0, 1, 2, 4], seeds=[0], steps=40),
+    "staleness": dict(ks=[0, 1, 2, 4], seeds=[0, 1, 2, 3, 4], steps=40),
 }
 BUDGET = ("clip_budget/clip_frac", "clip_budget/numerics", "clip_budget/staleness", "clip_budget/update",
           "clip_budget/numerics_alone", "clip_budget/staleness_alone", "loss/clip_frac", "off_policy/ess",
@@ -163,6 +165,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--only", choices=list(SETUP), default=None)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="the staleness experiment's methods (default: all)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="staleness runs at once (each one single-threaded process; the speed runs stay one at a time)")
     parser.add_argument("--reuse", type=Path, default=None,
                         help="a previous run's work folder: read the finished runs' logs instead of running them again")
     args = parser.parse_args(argv[1:])
@@ -188,19 +192,22 @@ def main(argv: list[str]) -> None:
                     summary["speed"].setdefault(label, {})[seed] = result
                     print(f"speed {label} seed {seed}: {result['step_s']:.3f} s/step, reward {result['final_reward']:.3f}", flush=True)
             else:
-                for method in args.methods:
-                    for k in setup["ks"]:
-                        for correction in CORRECTIONS:
-                            label = f"{method} k={k} {correction}"
-                            folder = work / f"st-{method}-{k}-{correction}-{seed}"
-                            result = summarize(run(config(folder, seed=seed, steps=steps, k=k, engine="copy",
-                                                          method=method, correction=correction), args.reuse is not None))
-                            summary["staleness"].setdefault(label, {})[seed] = result
-                            print(f"{label} seed {seed}: reward {result['final_reward']:.3f} clip "
-                                  f"{result.get('clip_budget/clip_frac', float('nan')):.4f}", flush=True)
+                arms = [(f"{method} k={k} {correction}", config(work / f"st-{method}-{k}-{correction}-{seed}", seed=seed,
+                                                              steps=steps, k=k, engine="copy", method=method,
+                                                              correction=correction))
+                        for method in args.methods for k in setup["ks"] for correction in CORRECTIONS]
+                # each run is one single-threaded process, seeded: --jobs changes the wall time, not the numbers
+                with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                    results = pool.map(lambda arm: summarize(run(arm[1], args.reuse is not None)), arms)
+                    for (label, _), result in zip(arms, results):
+                        summary["staleness"].setdefault(label, {})[seed] = result
+                        print(f"{label} seed {seed}: reward {result['final_reward']:.3f} clip "
+                              f"{result.get('clip_budget/clip_frac', float('nan')):.4f}", flush=True)
             if not args.reuse:
                 summary["stamp"]["wall_min"] = round((time.time() - began) / 60, 1)
             (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if summary["staleness"]:
+        plot_curves(summary["staleness"], args.out)
     (args.out / "README.md").write_text(readme(summary))
 
 
@@ -208,6 +215,144 @@ def avg(seeds: dict, *keys: str) -> str:
     """Mean over seeds of the sum of ``keys`` (seconds per step)."""
     values = [sum(seeds[x][k] for k in keys) for x in seeds if all(k in seeds[x] for k in keys)]
     return f"{statistics.mean(values):.3f}" if values else "-"
+
+
+# -- the staleness experiment's analysis: the comparisons and rules below were fixed before its runs --
+# A difference is significant when its 95% interval over the paired seeds excludes 0 (a seed fixes the
+# initial weights and the prompts of every arm). "learning" is the mean training reward over all steps
+# (the area under the curve: an arm that stops learning early scores low), "final" the last 5 steps'.
+GATE_QUESTIONS = [
+    # (a, b, question): a - b at each k >= 1, correction bypass (the engine's log-probs as the old policy,
+    # so the clip or gate sees the staleness) and none (the staleness ignored)
+    ("SAPO-seq", "GSPO", "a soft gate at sequence level keeps learning where GSPO's hard clip saturates"),
+    ("SAPO-token", "GRPO", "the paper's token-level soft gate against the token-level hard clip"),
+    ("CISPO", "GRPO", "CISPO's clipped weight (every token keeps a gradient) against the token-level hard clip"),
+]
+
+
+def learning(seed_result: dict) -> float:
+    curve = seed_result["reward_curve"]
+    return sum(curve) / len(curve)
+
+
+def _ci(values: list[float]) -> tuple[float, float]:
+    from paper_in_miniature import ci  # the same t-intervals as docs/results
+    entry = ci(values)
+    return entry["mean"], entry["ci95"] or 0.0
+
+
+def _paired(a: dict, b: dict, value) -> tuple[float, float, int]:
+    diffs = [value(a[x]) - value(b[x]) for x in a if x in b]
+    mean, half = _ci(diffs)
+    return mean, half, (1 if mean - half > 0 else -1 if mean + half < 0 else 0) if len(diffs) > 1 else 0
+
+
+def _cell(mean: float, half: float, sign: int = 0) -> str:
+    text = f"{mean:+.3f} ± {half:.3f}"
+    return f"**{text}**" if sign else text
+
+
+def gate_verdict(rows: list[tuple[int, str, tuple, tuple]]) -> str:
+    """From (k, correction, learning diff, final diff): yes when a is significantly ahead somewhere
+    and never significantly behind; no when significantly behind somewhere and never ahead."""
+    signs = [d[2] for _, _, learn, final in rows for d in (learn, final)]
+    ahead, behind = any(x > 0 for x in signs), any(x < 0 for x in signs)
+    if ahead and not behind:
+        return "yes"
+    if behind and not ahead:
+        return "no: worse"
+    return "mixed" if ahead else "no difference shown"
+
+
+def staleness_section(arms: dict) -> list[str]:
+    methods = list(dict.fromkeys(label.split(" ")[0] for label in arms))
+    ks = sorted({int(label.split(" ")[1][2:]) for label in arms})
+    seeds = sorted({x for r in arms.values() for x in r})
+    lines = ["## Staleness: reward and clip (or gate saturation) by cause", "",
+             f"Seeds {seeds}; every arm the same compute (40 rollout steps of 16 prompts x 8 responses). Means over seeds "
+             "with 95% intervals. `learning`: mean training reward over all steps; `final`: the last 5 steps'. `clip`: "
+             "the clip fraction (sequences at sequence level, tokens at token level; for SAPO the share of units whose "
+             "gate is saturated, for CISPO of clipped weights); numerics / staleness / update: its partition by dominant "
+             "cause (docs/async.md); `ess`: normalized effective sample size of the correction's weights.", "",
+             "| arm | learning | final | clip | numerics | staleness | update | ess |", "|---|---|---|---|---|---|---|---|"]
+    for label, by_seed in arms.items():
+        def mean(key):
+            values = [by_seed[x][key] for x in by_seed if key in by_seed[x]]
+            return f"{statistics.mean(values):.4f}" if values else "-"
+        learn = _ci([learning(r) for r in by_seed.values()])
+        final = _ci([r["final_reward"] for r in by_seed.values()])
+        lines.append(f"| {label} | {learn[0]:.3f} ± {learn[1]:.3f} | {final[0]:.3f} ± {final[1]:.3f} | "
+                     f"{mean('clip_budget/clip_frac')} | {mean('clip_budget/numerics')} | {mean('clip_budget/staleness')} | "
+                     f"{mean('clip_budget/update')} | {mean('off_policy/ess')} |")
+    lines += ["", "## Does a soft gate keep learning where the hard clip saturates?", "",
+              "Paired differences `a - b` (seed by seed; **bold**: the 95% interval excludes 0), with the engine's "
+              "log-probs as the old policy (`bypass`: the clip or gate sees the staleness) and with the staleness "
+              "ignored (`none`). The rule, fixed before the run: *yes* when `a` is significantly ahead in some cell "
+              "and significantly behind in none; *no: worse* the reverse; *mixed* both; otherwise *no difference shown*.", ""]
+    verdicts = []
+    for a, b, question in GATE_QUESTIONS:
+        if a not in methods or b not in methods:
+            continue
+        lines += [f"**{a} - {b}**: {question}.", "", "| k | correction | learning | final | clip of a | clip of b |",
+                  "|---|---|---|---|---|---|"]
+        rows = []
+        for k in ks:
+            for correction in ("bypass", "none"):
+                la, lb = f"{a} k={k} {correction}", f"{b} k={k} {correction}"
+                if la not in arms or lb not in arms:
+                    continue
+                learn = _paired(arms[la], arms[lb], learning)
+                final = _paired(arms[la], arms[lb], lambda r: r["final_reward"])
+                clip = lambda label: statistics.mean(r.get("clip_budget/clip_frac", float("nan")) for r in arms[label].values())
+                lines.append(f"| {k} | {correction} | {_cell(*learn)} | {_cell(*final)} | {clip(la):.3f} | {clip(lb):.3f} |")
+                if k >= 1:
+                    rows.append((k, correction, learn, final))
+        verdicts.append((f"{a} vs {b} under staleness (k >= 1)", gate_verdict(rows)))
+        lines.append("")
+    lines += ["## What staleness costs each method", "",
+              "`k=4 - k=0` per method and correction, on `learning` (paired by seed; **bold**: significant).", "",
+              "| method | " + " | ".join(CORRECTIONS) + " |", "|---|" + "---|" * len(CORRECTIONS)]
+    for method in methods:
+        cells = []
+        for correction in CORRECTIONS:
+            hi, lo = f"{method} k={max(ks)} {correction}", f"{method} k=0 {correction}"
+            cells.append(_cell(*_paired(arms[hi], arms[lo], learning)) if hi in arms and lo in arms else "-")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += ["", "## Verdicts", "", "| question | verdict |", "|---|---|"]
+    lines += [f"| {q} | **{v}** |" for q, v in verdicts]
+    lines += ["", "Reward curves (means over seeds): `staleness_curves.png`.", ""]
+    return lines
+
+
+def plot_curves(arms: dict, out: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    methods = list(dict.fromkeys(label.split(" ")[0] for label in arms))
+    ks = sorted({int(label.split(" ")[1][2:]) for label in arms})
+    fig, axes = plt.subplots(2, len(ks), figsize=(4 * len(ks), 6.5), sharey=True, squeeze=False)
+    for row, correction in enumerate(("bypass", "decoupled")):
+        for col, k in enumerate(ks):
+            ax = axes[row][col]
+            for method in methods:
+                runs = arms.get(f"{method} k={k} {correction}")
+                if runs:
+                    curves = [r["reward_curve"] for r in runs.values()]
+                    width = min(len(c) for c in curves)
+                    ax.plot([statistics.mean(c[i] for c in curves) for i in range(width)], label=method)
+            ax.set_title(f"k={k}, {correction}")
+            ax.set_xlabel("rollout step")
+            if col == 0:
+                ax.set_ylabel("training reward (mean over seeds)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "staleness_curves.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def readme(summary: dict) -> str:
@@ -239,19 +384,7 @@ def readme(summary: dict) -> str:
                   "synchronous loop is measured on the full quickstart by `benchmarks/bench_async.py` "
                   "(`bench_async.json` here, the table in [docs/async.md](../../async.md#measured)).", ""]
     if summary["staleness"]:
-        lines += ["## Staleness: final reward and clip fraction by cause (means over seeds)", "",
-                  "`clip` is the clip fraction (sequences at sequence level, tokens at token level; for SAPO the share of "
-                  "units whose gate is saturated, for GMPO of clipped tokens); numerics / staleness / update are "
-                  "its partition by dominant cause (docs/async.md); `ess` the normalized effective sample size of the "
-                  "correction's weights.", "",
-                  "| arm | final reward | clip | numerics | staleness | update | staleness alone | ess |", "|---|---|---|---|---|---|---|---|"]
-        for label, seeds in summary["staleness"].items():
-            def mean(key):
-                values = [seeds[x][key] for x in seeds if key in seeds[x]]
-                return f"{statistics.mean(values):.4f}" if values else "-"
-            lines.append(f"| {label} | {mean('final_reward')} | {mean('clip_budget/clip_frac')} | {mean('clip_budget/numerics')} | "
-                         f"{mean('clip_budget/staleness')} | {mean('clip_budget/update')} | {mean('clip_budget/staleness_alone')} | {mean('off_policy/ess')} |")
-        lines.append("")
+        lines += staleness_section(summary["staleness"])
     return "\n".join(lines)
 
 
