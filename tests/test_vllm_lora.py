@@ -104,3 +104,48 @@ def test_vllm_samples_from_each_pushed_adapter_version():
     import os
 
     assert not os.path.exists(folder)  # the private adapter folders are gone
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_lora_run_with_vllm_rollouts_pushes_adapters_and_samples_from_them(tmp_path):
+    """``gspo fit``'s path: a LoRA policy, vLLM rollouts, ``old_logprobs: engine``. Every step's
+    engine-vs-trainer gap stays at float32 level while the adapters train, and each push
+    carries the adapters' bytes only."""
+    import warnings
+
+    import lightning as L
+
+    from gspo_lightning.data.datamodule import PromptDataModule
+    from gspo_lightning.rewards import RewardSpec
+    from gspo_lightning.training.module import GSPOModule
+
+    class Watch(L.Callback):
+        def __init__(self):
+            self.gaps, self.pushed = [], []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            metrics = trainer.callback_metrics
+            self.gaps.append(float(metrics["engine/seq_log_ratio_abs_max"]))
+            if "weight_sync/bytes" in metrics:
+                self.pushed.append(float(metrics["weight_sync/bytes"]))
+
+    model = "builtin:tiny-successor-h32"
+    module = GSPOModule(model_name_or_path=model, rewards=[RewardSpec(function="gspo_lightning.data.tasks.successor.successor_reward")],
+                        num_return_sequences_in_group=4, response_length=5, lora=LORA, old_logprobs="engine",
+                        engine=VLLMEngine(kv_cache_memory_gb=0.25), optimizer=lambda p: torch.optim.AdamW(p, lr=5e-2))
+    watch = Watch()
+    L.seed_everything(3, verbose=False)
+    data = PromptDataModule(path="builtin:successor", tokenizer=model, rollout_batch_size=4, prompt_length=8, val_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=tmp_path, enable_checkpointing=False, callbacks=[watch])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=data)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in module.policy.named_parameters() if ".lora_" in n)
+    print(f"vLLM LoRA run: gaps {watch.gaps}, pushed bytes {watch.pushed} (adapters {adapter_bytes})")
+    assert len(watch.gaps) == 3 and max(watch.gaps) < 1e-4, watch.gaps
+    assert watch.pushed and all(b == adapter_bytes for b in watch.pushed), watch.pushed
+    moved = max(float(p.detach().abs().max()) for n, p in module.policy.named_parameters() if ".lora_B." in n)
+    assert moved > 1e-3  # the adapters trained (B starts at zero): the rollouts came from them
