@@ -278,6 +278,20 @@ def test_a_server_refuses_what_its_adapters_do_not_match(base_folder):
     finally:
         httpd.shutdown()
         app.close()
+    # a server whose own base differs from the policy's (a builtin: model drawn from another random
+    # state): adapters alone would apply to other weights
+    app, httpd, url = serve_in_thread(base_folder, {"class_path": "gspo_lightning.rollout.HFEngine"},
+                                      prompt_length=8, response_length=5, lora=LoRA(rank=4, alpha=8).serving_config())
+    try:
+        other = load(base_folder, LoRA(rank=4, alpha=8))[0]
+        with torch.no_grad():
+            next(p for n, p in other.named_parameters() if "base_layer" in n).add_(1e-3)
+        with pytest.raises(RolloutServerError, match="another base model"):
+            RemoteEngine(urls=[url]).start(EngineSpec(**{**spec.__dict__, "policy": other}))
+        RemoteEngine(urls=[url]).start(spec)  # the same base: accepted
+    finally:
+        httpd.shutdown()
+        app.close()
     with pytest.raises(ValueError, match="lora_sync: adapter needs a LoRA policy"):
         base, _ = load(base_folder)
         RemoteEngine(urls=["http://127.0.0.1:1"], lora_sync="adapter").start(

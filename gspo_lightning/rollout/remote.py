@@ -53,8 +53,8 @@ from gspo_lightning.rollout.replies import check_generation_reply, check_weights
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.auth import SECRET_ENV, bearer, read_secret
 from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, fingerprint
-from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
-from gspo_lightning.rollout.weight_sync import engine_named_shapes
+from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport, checksum_of
+from gspo_lightning.rollout.weight_sync import engine_named_shapes, iter_base_weights
 
 START_HINT = ("start one with `gspo serve --config <your config> --port <port>` (on another machine with "
               f"{SECRET_ENV} set on both sides: docs/scaling.md#security), or set model.engine.init_args.urls: null "
@@ -181,6 +181,7 @@ class RemoteEngine(RolloutEngine):
                              f"got {lora_sync!r}")
         self.lora_sync = lora_sync
         self.adapters: Optional[dict] = None  # the LoRA config the servers serve, in adapter format
+        self.base_checksum: Optional[str] = None  # of the policy's frozen base, in adapter format
         for url in urls or []:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"RemoteEngine urls must look like http://host:port, got {url!r}")
@@ -231,6 +232,9 @@ class RemoteEngine(RolloutEngine):
         adapter = spec.lora is not None and self.lora_sync != "merged"
         self.weights_format = "adapter" if adapter else "full"
         self.adapters = spec.lora.serving_config() if adapter else None
+        # the server applies adapters to the base it loaded itself: it must be this policy's
+        # (every rank computes it: gathering a sharded base is a collective)
+        self.base_checksum = checksum_of(iter_base_weights(spec.policy)) if adapter else None
         self.identity = {
             "fingerprint": fingerprint(engine_named_shapes(spec.policy), spec.policy.config.to_dict()),
             "eos_token_ids": sorted(spec.eos_token_ids), "pad_token_id": spec.pad_token_id,
@@ -310,6 +314,12 @@ class RemoteEngine(RolloutEngine):
                 f"the rollout server at {url} serves LoRA adapters {info.get('adapters')}, this run pushes "
                 f"{self.adapters or 'full (merged) weights'}: start it with this run's config (model.lora), or set "
                 "model.engine.init_args.lora_sync: merged")
+        if self.adapters is not None and info.get("base_checksum") != self.base_checksum:
+            raise RolloutServerError(
+                f"the rollout server at {url} loaded another base model than this run's policy has (checksum "
+                f"{str(info.get('base_checksum'))[:12]}, the policy's {self.base_checksum[:12]}; a builtin: model drawn "
+                "from another random state?): adapters pushed alone would apply to the wrong weights. Start it on the "
+                "same model files and dtype, or set model.engine.init_args.lora_sync: merged")
 
     def _hold(self, url: str) -> None:
         try:

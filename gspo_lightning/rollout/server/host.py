@@ -143,17 +143,20 @@ class RolloutServer:
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         eos = eos_token_ids(model, tokenizer)
         fingerprint_ = model_fingerprint(model)  # of the base: what the trainer's LoRA policy reports too
-        lora = None
+        lora, base_checksum = None, None
         if spec.lora is not None:
             from gspo_lightning.models.lora import LoRA, attach_lora
+            from gspo_lightning.rollout.transport import checksum_of
 
             lora = LoRA(**spec.lora)
+            # adapters apply to the base this server loaded: the trainer checks it holds the same one
+            base_checksum = checksum_of((name, p.detach()) for name, p in model.named_parameters())
             if self.engine.shares_policy_weights:  # the engine samples from this model: pushes land in its adapters
                 model = attach_lora(model, lora)
         self._param_name = _adapter_param_name if lora is not None else (lambda name: name)
         self.identity = {
             "model": spec.model_name_or_path, "architecture": type(model).__name__,
-            "fingerprint": fingerprint_, "adapters": spec.lora,
+            "fingerprint": fingerprint_, "adapters": spec.lora, "base_checksum": base_checksum,
             "eos_token_ids": sorted(eos), "pad_token_id": tokenizer.pad_token_id, "dtype": spec.dtype,
             "engine": f"{type(self.engine).__module__}.{type(self.engine).__qualname__}",
             "max_new_tokens": self.limits.max_new_tokens or spec.response_length,
