@@ -149,3 +149,50 @@ def test_a_lora_run_with_vllm_rollouts_pushes_adapters_and_samples_from_them(tmp
     assert watch.pushed and all(b == adapter_bytes for b in watch.pushed), watch.pushed
     moved = max(float(p.detach().abs().max()) for n, p in module.policy.named_parameters() if ".lora_B." in n)
     assert moved > 1e-3  # the adapters trained (B starts at zero): the rollouts came from them
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_rollout_server_serves_pushed_adapters(tmp_path):
+    """A rollout server hosting vLLM, adapters pushed alone over the folder transport: the
+    server's engine serves them as a ``LoRARequest``; its log-probs are the trainer's."""
+    from gspo_lightning.data.tasks.tiny import save_tiny
+    from gspo_lightning.models.loading import load_policy, load_tokenizer
+    from gspo_lightning.rollout import RemoteEngine
+    from gspo_lightning.rollout.hf import left_pad
+    from gspo_lightning.rollout.weight_sync import iter_adapter_weights
+    from gspo_lightning.training.logprobs import response_logprobs
+    from tests.helpers import serve_in_thread
+
+    torch.manual_seed(0)
+    folder = str(save_tiny("builtin:tiny-successor-h32", tmp_path / "base"))
+    tok = load_tokenizer(folder, False)
+    policy = attach_lora(load_policy(folder, tok, "float32"), LORA).eval()
+    perturb_adapters(policy, 7)
+    app, httpd, url = serve_in_thread(folder, {"class_path": "gspo_lightning.rollout.VLLMEngine",
+                                               "init_args": {"kv_cache_memory_gb": 0.25}},
+                                      prompt_length=8, response_length=4, lora=LORA.serving_config())
+    engine = RemoteEngine(urls=[url])
+    try:
+        engine.start(EngineSpec(model_name_or_path=folder, dtype="float32", prompt_length=8, response_length=4, seed=0,
+                                eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=policy,
+                                tokenizer=tok, lora=LORA))
+        stats = engine.update_weights(iter_adapter_weights(policy), 0)
+        assert stats["bytes"] == sum(p.numel() * 4 for n, p in policy.named_parameters() if ".lora_" in n)
+        prompts = [[3 + (i * 7 + j) % 10 for j in range(6)] for i in range(3)]
+        generation = engine.generate(prompts, 2, SamplingParams(4), seed=5)
+        ids, mask = left_pad([p for p in prompts for _ in range(2)], tok.pad_token_id, "cpu")
+        full = torch.cat([ids, generation.completion_ids], 1)
+        full_mask = torch.cat([mask, generation.mask.long()], 1)
+        with torch.no_grad():
+            adapted = response_logprobs(policy, full, full_mask, ids.shape[1], temperature=1.0)[0]
+            with adapters_disabled(policy):
+                base = response_logprobs(policy, full, full_mask, ids.shape[1], temperature=1.0)[0]
+        m = generation.mask
+        gap = float((adapted[m] - generation.logprobs[m]).abs().max())
+        print(f"vLLM server adapter sync: |engine - trainer| max {gap:.1e}")
+        assert gap < 1e-4 and float((base[m] - generation.logprobs[m]).abs().max()) > 1e-2
+    finally:
+        engine.close()
+        httpd.shutdown()
+        app.close()
