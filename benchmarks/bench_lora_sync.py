@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    load = os.getloadavg()[0]
     tokenizer = load_tokenizer(MODEL, False)
     policy = attach_lora(load_policy(MODEL, tokenizer, "float32"), LORA_CONFIG)
     spec = EngineSpec(model_name_or_path=MODEL, dtype="float32", prompt_length=64, response_length=8, seed=0,
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     merged, adapter = results
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     report = {"commit": commit, "engine": args.engine, "model": MODEL, "lora": LORA_CONFIG.serving_config(),
-              "load_at_start": os.getloadavg()[0], "results": results,
+              "load_at_start": load, "load_at_end": os.getloadavg()[0], "results": results,
               "bytes_ratio": adapter["bytes"] / merged["bytes"], "seconds_ratio": adapter["push_s_median"] / merged["push_s_median"]}
     print(f"{args.engine}: merged {merged['mib']:.1f} MiB in {merged['push_s_median']:.3f} s, adapter {adapter['mib']:.2f} MiB "
           f"in {adapter['push_s_median']:.3f} s (bytes x{report['bytes_ratio']:.4f}, seconds x{report['seconds_ratio']:.3f}); "
