@@ -326,3 +326,16 @@ def test_asynchronous_rollouts_come_from_the_adapters_of_their_version(base_fold
             torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=name)
     moved = max((snapshots[watch.version][k] - snapshots[0][k]).abs().max() for k in expected)
     assert moved > 1e-3  # the adapters had changed the merged weights by then
+
+
+def test_gspo_serve_reads_the_adapters_a_config_pushes():
+    """``gspo serve --config``: a LoRA config's server expects adapter pushes (its engine's
+    ``lora_sync`` unset or ``adapter``), a ``lora_sync: merged`` one full weights."""
+    from gspo_lightning.rollout.server import spec_from_config
+
+    remote = {"class_path": "gspo_lightning.rollout.RemoteEngine", "init_args": {"urls": ["http://h:1"]}}
+    config = {"model": {"model_name_or_path": "m", "lora": {"rank": 16, "alpha": 32}, "engine": remote}}
+    assert spec_from_config(config).lora == {"rank": 16, "alpha": 32, "target_modules": "all-linear"}
+    merged = {**remote, "init_args": {**remote["init_args"], "lora_sync": "merged"}}
+    assert spec_from_config({"model": {**config["model"], "engine": merged}}).lora is None
+    assert spec_from_config({"model": {"model_name_or_path": "m", "engine": remote}}).lora is None
