@@ -38,6 +38,8 @@ def run_arm(name: str, config: str, out: Path, args) -> dict:
            f"--trainer.val_check_interval={args.val_every}", "--trainer.enable_progress_bar=false"]
     if args.kl:
         cmd += ["--model.use_kl_loss=true", "--model.kl_loss_coef=0.01"]
+    if args.micro_batch_size:  # the same for both arms: activations are most of a step's peak
+        cmd += [f"--model.micro_batch_size={args.micro_batch_size}"]
     start = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--val-every", type=int, default=4)
     parser.add_argument("--kl", action="store_true", help="a KL term: full fine-tuning keeps a reference copy")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="model.micro_batch_size for both arms (default: the recipes', the whole mini-batch)")
     parser.add_argument("--arms", default="full,lora")
     parser.add_argument("--out", type=Path, help="run folders (default: a temporary folder)")
     parser.add_argument("--json", type=Path)
