@@ -87,6 +87,8 @@ def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     valid = rollout.response_mask
     m.update("advantage/mean", advantages[valid].mean() if valid.any() else 0.0, valid.sum())
     m.update("reward/errors", float(rollout.reward_errors), kind="max")
+    for name, value in rollout.episode_stats.items():  # episodes: turns, tool calls and errors, endings
+        m.update(name, value, lengths.numel())
 
 
 def step_values(metrics: StepMetrics, rollout, advantages: Tensor, timings: dict[str, float], elapsed: float) -> dict[str, float]:

@@ -34,10 +34,11 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.episodes.runner import MultiTurn
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
-from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
+from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages, turn_advantages
 from gspo_lightning.objective.clip_budget import ClipBudget
 from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
 from gspo_lightning.objective.options import (
@@ -151,6 +152,10 @@ class GSPOModule(L.LightningModule):
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models). MoE policies always log how much routing changed since the old pass.
         router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
+        episodes: multi-turn episodes (``episodes.MultiTurn``: an environment by ``class_path``,
+            e.g. ``ToolEnvironment`` with Python functions as tools, and ``max_turns``); each
+            sample is one episode and ``response_length`` its token budget after the prompt. ``null``:
+            one completion per sample. See docs/episodes.md.
         max_staleness: ``k``: generate the rollouts of the next ``k`` steps while this one trains
             (0: synchronous, on-policy; the default). The lag is counted in rollout steps; needs
             an engine with its own weights (``HFCopyEngine`` in float32, ``RemoteEngine``, vLLM); see docs/async.md.
@@ -186,6 +191,7 @@ class GSPOModule(L.LightningModule):
         rewards: Optional[list[RewardSpec]] = None,
         on_reward_error: OnRewardError = "raise",
         engine: Optional[RolloutEngine] = None,
+        episodes: Optional[MultiTurn] = None,
         num_return_sequences_in_group: int = 8,
         response_length: int = 256,
         temperature: float = 1.0,
@@ -242,7 +248,7 @@ class GSPOModule(L.LightningModule):
         lr_scheduler: Optional[LRSchedulerCallable] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "metric_hooks", "off_policy", "lora"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "episodes", "metric_hooks", "off_policy", "lora"])
         # plain dicts, so checkpoints load with torch.load(weights_only=True)
         self.hparams["rewards"] = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None
         # config blocks as dataclasses here, as dicts in the hyper-parameters (a dict: from a checkpoint's)
@@ -269,7 +275,12 @@ class GSPOModule(L.LightningModule):
             group_size=num_return_sequences_in_group,
             eval_params=SamplingParams(response_length, val_temperature, 1.0 if greedy else top_p, 0 if greedy else top_k),
             eval_group_size=val_num_samples,
+            episodes=episodes,
         )
+        self.episodes = episodes
+        if episodes is not None and episodes.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
+            raise ValueError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
+                             "seq-token (GSPO-token) or token, and adv_estimator: grpo")
         self.policy = None
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
@@ -505,6 +516,10 @@ class GSPOModule(L.LightningModule):
             kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
             advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum, scored=rollout.scored,
         )
+        if self.episodes is not None and self.episodes.turn_advantages:  # GSPO-token: each turn its return
+            outcome = rollout.rewards - torch.tensor([sum(r) for r in rollout.turn_rewards], device=rollout.rewards.device)
+            advantages = turn_advantages(outcome, rollout.turn_rewards, rollout.turn_of_token, rollout.group_size,
+                                         discount=self.episodes.turn_discount, scored=rollout.scored)
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)

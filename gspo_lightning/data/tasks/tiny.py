@@ -43,6 +43,8 @@ class TinyModelSpec:
 
 ECHO_WORDS = ("repeat", *[str(d) for d in range(10)])
 SUCCESSOR_WORDS = ("next", *[str(d) for d in range(10)])
+# the lookup task's episodes (data/tasks/lookup.py): chat roles as words, a tool, six keys, digits
+LOOKUP_WORDS = ("user:", "assistant:", "tool:", "find", "get", "a", "b", "c", "d", "e", "f", *[str(d) for d in range(10)])
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
     # a 2-layer model over a 14-token vocabulary (the echo task: tests, experiments)
@@ -52,6 +54,8 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
     # the quickstart model with 2 heads of 32 dims (configs/quickstart_vllm.yaml): vLLM's CPU
     # attention has no kernel for heads of 16
     "tiny-successor-h32": TinyModelSpec(words=SUCCESSOR_WORDS, num_attention_heads=2, num_key_value_heads=1),
+    # multi-turn episodes with a tool (the lookup task); heads of 32 dims, so vLLM's CPU attention runs it too
+    "tiny-lookup": TinyModelSpec(words=LOOKUP_WORDS, num_attention_heads=2, num_key_value_heads=1),
     # the same with 8 small experts, for Mixture-of-Experts experiments
     "tiny-moe-echo": TinyModelSpec(
         words=ECHO_WORDS,
