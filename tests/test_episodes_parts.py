@@ -5,6 +5,7 @@ import json
 import sys
 import time
 import types
+from typing import Optional
 
 import pytest
 
@@ -41,6 +42,25 @@ def nap(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "awake"
+
+
+def scale(values: list[float], factor: Optional[float] = None) -> list:
+    """Multiply values by a factor (default 2).
+
+    Args:
+        values: The numbers.
+        factor: The factor.
+    """
+    return [v * (2 if factor is None else factor) for v in values]
+
+
+async def shout(text: str) -> str:
+    """Upper-case the text.
+
+    Args:
+        text: The text.
+    """
+    return text.upper()
 
 
 def make_set() -> set:
@@ -85,6 +105,14 @@ def test_a_call_returns_text():
     assert Tool(add)({"a": 2, "b": 3}, timeout_s=1.0) == "5"  # not a string: as JSON
     assert Tool(divide)({"a": 1, "b": 4}, timeout_s=1.0) == "0.25"
     assert Tool(nap)({"seconds": 0}, timeout_s=1.0) == "awake"  # a string: as is
+
+
+def test_optional_arguments_lists_and_async_tools():
+    assert Tool(scale)({"values": [1, 2.5]}, timeout_s=1.0) == "[2, 5.0]"
+    assert Tool(scale)({"values": [1], "factor": None}, timeout_s=1.0) == "[2]"  # nullable: None is allowed
+    with pytest.raises(ToolError, match="argument 'values' of scale must be array, got 3"):
+        Tool(scale)({"values": 3}, timeout_s=1.0)
+    assert Tool(shout)({"text": "hi"}, timeout_s=1.0) == "HI"  # async def: run to completion in the worker
 
 
 @pytest.mark.parametrize("arguments, kind, reason", [

@@ -96,6 +96,8 @@ class Tool:
         properties = self.schema["function"].get("parameters", {}).get("properties", {})
         for key, value in arguments.items():
             expected = properties.get(key, {}).get("type")
+            if value is None and properties.get(key, {}).get("nullable"):  # an Optional[...] argument
+                continue
             if not _matches(value, expected):
                 raise ToolError(f"argument {key!r} of {self.name} must be {expected}, got {json.dumps(value)[:40]}",
                                 kind="arguments")
