@@ -274,8 +274,8 @@ class CountingEnvironment(Environment):
         self.target = target
         self.turns = 0
 
-    def reset(self, row):
-        return [{"role": "user", "content": f"Count to {row['n']}."}]
+    def reset(self, row, prompt):
+        return [*prompt, {"role": "user", "content": f"Count to {row['n']}."}]
 
     def step(self, assistant_message):
         self.turns += 1
@@ -287,10 +287,11 @@ class CountingEnvironment(Environment):
 def test_an_environment_instance_serves_one_episode():
     template = CountingEnvironment(target=2)
     first, second = template.fresh(), template.fresh()
-    assert first.reset({"n": 2}) == [{"role": "user", "content": "Count to 2."}]
+    assert first.reset({"n": 2}, []) == [{"role": "user", "content": "Count to 2."}]
     assert not first.step(assistant("1")).done and first.step(assistant("2")).done
     assert second.turns == 0 and template.turns == 0
-    assert Environment().reset({"prompt": "x"}) == [] and Environment().tools_schema is None
+    prompt = [{"role": "user", "content": "x"}]
+    assert Environment().reset({"prompt": "x"}, prompt) == prompt and Environment().tools_schema is None
 
 
 # ---------------------------------------------------------------- chat renderer

@@ -1,6 +1,7 @@
 """Environments: what answers the model between its turns.
 
-An episode is: ``reset(row)`` (messages before the first assistant turn), then for each
+An episode is: ``reset(row, prompt)`` (the conversation it starts from: the row's prompt
+messages, with whatever the environment puts before or after them), then for each
 assistant turn ``step(assistant_message) -> StepResult`` until the result is ``done``, the
 model makes no call, or the runner's ``max_turns`` / token budget ends it.
 
@@ -41,9 +42,11 @@ class Environment:
         """A new instance for one episode, in the state ``__init__`` left it."""
         return copy.deepcopy(self)
 
-    def reset(self, row: dict) -> list[dict]:
-        """Start an episode on a dataset row (all its columns); messages to add before the first assistant turn."""
-        return []
+    def reset(self, row: dict, prompt: list[dict]) -> list[dict]:
+        """Start an episode on a dataset row (all its columns) whose prompt is ``prompt`` (chat
+        messages); returns the conversation the first assistant turn answers. The default: the
+        prompt as it is. Override to add a system message, a worked example, a first observation."""
+        return list(prompt)
 
     def step(self, assistant_message: dict) -> StepResult:
         """Answer one assistant turn ``{"role": "assistant", "content": text}``."""

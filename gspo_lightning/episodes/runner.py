@@ -25,11 +25,14 @@ from typing import Any, Optional
 import torch
 
 from gspo_lightning.episodes.environments import Environment
-from gspo_lightning.episodes.template import ChatRenderer
+from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 # how an episode ended
-ENDINGS = ("done", "max_turns", "budget", "environment_error")
+# done: the environment said so (for tools: a turn without a call); max_turns; budget: the episode's
+# tokens (response_length) are spent; turn_tokens: a turn reached max_turn_tokens without ending
+ENDINGS = ("done", "max_turns", "budget", "turn_tokens", "environment_error")
+TRUNCATED = ("budget", "turn_tokens")
 
 
 @dataclass
@@ -111,10 +114,17 @@ class MultiTurn:
             group's mean episode return; needs ``importance_sampling: seq-token`` (or ``token``).
             Off: every token of an episode has the episode's advantage.
         turn_discount: the per-turn discount of those returns (1: none).
+        system_prompt_for_tools: how the tools are shown when the chat template has no ``tools``
+            section (``{tools}``: their JSON schemas); ``null``: not shown (the prompts show them).
+        end_of_turn: the text of the token that ends an assistant turn in the template (default:
+            found in the template); ``""`` when the template does not write it (tiny models).
+        template_kwargs: extra chat-template variables, e.g. ``{enable_thinking: false}``.
     """
 
     def __init__(self, environment: Environment, max_turns: int = 4, max_turn_tokens: Optional[int] = None,
-                 on_environment_error: str = "raise", turn_advantages: bool = False, turn_discount: float = 1.0):
+                 on_environment_error: str = "raise", turn_advantages: bool = False, turn_discount: float = 1.0,
+                 system_prompt_for_tools: Optional[str] = DEFAULT_TOOLS_SYSTEM_PROMPT, end_of_turn: Optional[str] = None,
+                 template_kwargs: Optional[dict] = None):
         if max_turns < 1:
             raise ValueError(f"episodes.max_turns must be >= 1, got {max_turns}")
         if max_turn_tokens is not None and max_turn_tokens < 1:
@@ -130,10 +140,12 @@ class MultiTurn:
         self.turn_advantages = turn_advantages
         self.turn_discount = turn_discount
         self.renderer: Optional[ChatRenderer] = None
+        self.renderer_options = dict(system_prompt_for_tools=system_prompt_for_tools, end_of_turn=end_of_turn,
+                                     template_kwargs=template_kwargs)
 
     def start(self, tokenizer) -> None:
         """Build the chat renderer (once the tokenizer exists), with the environment's tools."""
-        self.renderer = ChatRenderer(tokenizer, tools=self.environment.tool_schemas())
+        self.renderer = ChatRenderer(tokenizer, self.environment.tools_schema, **self.renderer_options)
         self.tokenizer = tokenizer
 
     def run(self, engine: RolloutEngine, prompts: list[Any], rows: list[dict], group_size: int,
@@ -196,7 +208,7 @@ class MultiTurn:
                 episode.ending = "done"
                 continue
             if cut:  # the turn hit max_turn_tokens without ending: what follows would continue mid-turn
-                episode.ending = "budget"
+                episode.ending = "turn_tokens"
                 continue
             if episode.turns >= self.max_turns:
                 episode.ending = "max_turns"
@@ -210,7 +222,7 @@ class MultiTurn:
 
     def _batch(self, episodes: list[Episode], group_size: int, engine: RolloutEngine) -> EpisodeBatch:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        truncated = [e.ending == "budget" for e in episodes]
+        truncated = [e.ending in TRUNCATED for e in episodes]
         generation = Generation.from_lists([e.ids or [pad] for e in episodes], [e.logprobs or [0.0] for e in episodes],
                                            truncated, pad)
         generation.lengths = torch.tensor([len(e.ids) for e in episodes], dtype=torch.long)

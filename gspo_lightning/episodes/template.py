@@ -83,7 +83,9 @@ class ChatRenderer:
             ``tools``; ``{tools}`` is replaced by the schemas. None: tools are not shown that way (say, the
             dataset's prompts already show them, or carry a worked example).
         end_of_turn: the text of the token generation stops on at the end of an assistant turn; default: the
-            special token the template writes right after an assistant message's content.
+            special token the template writes right after an assistant message's content. ``""`` for a
+            template that does not write the stop token (the model's end-of-sequence id stays in the ids
+            as sampled, and the continuation starts with all the template writes after the content).
         template_kwargs: extra variables for the template (``{"enable_thinking": False}``).
     """
 
@@ -97,12 +99,16 @@ class ChatRenderer:
         self.template = self._template_text()
         self.template_reads_tools = template_reads_tools(self.template)
         self.assistant_close = self._assistant_close()
-        self.end_of_turn = end_of_turn or self._end_of_turn()
+        self.end_of_turn = end_of_turn if end_of_turn is not None else self._end_of_turn()
         if not self.assistant_close.startswith(self.end_of_turn):
             raise TemplateNotAppendOnly(f"the chat template closes an assistant turn with {self.assistant_close!r}, which "
                                         f"does not start with the end-of-turn token {self.end_of_turn!r}")
         # what the template writes after the end-of-turn token ("\n" for ChatML): the continuation's first text
         self.after_end_of_turn = self.assistant_close[len(self.end_of_turn):]
+        # a word-level tokenizer joins tokens with single spaces: its round trips are compared word by word
+        probe = self.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+        self.keeps_whitespace = self.tokenizer.decode(self._encode(probe), skip_special_tokens=False,
+                                                      clean_up_tokenization_spaces=False) == probe
 
     def _template_text(self) -> str:
         template = self.tokenizer.chat_template
@@ -180,7 +186,8 @@ class ChatRenderer:
             raise TemplateNotAppendOnly(self._explain_change(before, after, messages_before, new_messages))
         suffix = after[len(before) - len(self.after_end_of_turn):]  # right after the end-of-turn token
         ids = self._encode(suffix)
-        if self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != suffix:
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if decoded != suffix and (self.keeps_whitespace or decoded.split() != suffix.split()):
             raise ValueError(f"tokenizing the environment's text {suffix[:60]!r} alone does not give that text back "
                              "(a tokenizer that adds a prefix space, or normalizes text?); its ids would not be the "
                              "ones the template's conversation has")

@@ -90,12 +90,13 @@ def lookup_answer_reward(completions: list, answer: list[str], **columns) -> lis
 
 
 def lookup_call_reward(completions: list, key: list[str], **columns) -> list[float]:
-    """1 when the episode's first turn is a call for the asked key, 0.5 for a call for another key."""
+    """1 when the episode's first turn is exactly the call for the asked key (and ends there), 0.5
+    when it starts with that call but goes on, else 0."""
     scores = []
     for completion, asked in zip(completions, key):
         texts = _assistant_texts(completion)
         words = texts[0].split() if texts else []
-        scores.append(1.0 if words[:2] == ["get", asked] else 0.5 if words[:1] == ["get"] and len(words) > 1 else 0.0)
+        scores.append(1.0 if words == ["get", asked] else 0.5 if words[:2] == ["get", asked] else 0.0)
     return scores
 
 

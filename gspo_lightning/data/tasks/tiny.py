@@ -44,7 +44,7 @@ class TinyModelSpec:
 ECHO_WORDS = ("repeat", *[str(d) for d in range(10)])
 SUCCESSOR_WORDS = ("next", *[str(d) for d in range(10)])
 # the lookup task's episodes (data/tasks/lookup.py): chat roles as words, a tool, six keys, digits
-LOOKUP_WORDS = ("user:", "assistant:", "tool:", "find", "get", "a", "b", "c", "d", "e", "f", *[str(d) for d in range(10)])
+LOOKUP_WORDS = ("user:", "assistant:", "tool:", "find", "get", "error", "a", "b", "c", "d", "e", "f", *[str(d) for d in range(10)])
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
     # a 2-layer model over a 14-token vocabulary (the echo task: tests, experiments)
