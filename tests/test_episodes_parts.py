@@ -245,6 +245,12 @@ def test_tool_environment_answers_every_fault_and_counts_it():
     assert result.info == {"tool_calls": 6, "tool_errors": 6, "tool_timeouts": 1, "malformed_tool_calls": 1}
 
 
+def test_calls_drafted_while_reasoning_are_not_made():
+    text = "<think>\nMaybe " + call("add", a=1, b=1) + "? No.\n</think>\n\n" + call("add", a=2, b=3)
+    result = ToolEnvironment([add]).step(assistant(text))
+    assert [m["content"] for m in result.messages] == ["5"] and result.info["tool_calls"] == 1
+
+
 def test_only_malformed_calls_do_not_end_the_episode():
     result = ToolEnvironment([add]).step(assistant("<tool_call>add(1, 2)</tool_call>"))
     assert not result.done and len(result.messages) == 1
@@ -491,10 +497,15 @@ def test_a_template_without_an_end_of_turn_token_is_refused():
         ChatRenderer(build_tokenizer(no_terminator))
 
 
-def test_continuation_needs_the_assistant_turn_last():
-    renderer = ChatRenderer(build_tokenizer(CHATML))
+def test_continuation_needs_the_assistant_turn_last_without_its_end_of_turn_token():
+    tokenizer = build_tokenizer(CHATML)
+    renderer = ChatRenderer(tokenizer)
+    assert renderer.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     with pytest.raises(ValueError, match="must end with the assistant turn just generated, got a last role of 'user'"):
         renderer.continuation_ids(QUESTION, REPLY)
+    with pytest.raises(ValueError, match="content ends with the end-of-turn token '<\\|im_end\\|>'.*decode the sampled ids "
+                                         "without it"):
+        renderer.continuation_ids([*QUESTION, assistant(TURN + "<|im_end|>")], REPLY)
 
 
 def test_every_public_name_of_episodes_resolves():

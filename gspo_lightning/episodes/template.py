@@ -104,6 +104,13 @@ class ChatRenderer:
         # what the template writes after the end-of-turn token ("\n" for ChatML): the continuation's first text
         self.after_end_of_turn = self.assistant_close[len(self.end_of_turn):]
 
+    @property
+    def end_of_turn_id(self) -> int:
+        """The id of the end-of-turn token: the engine stops an assistant turn on it, and a turn that does not
+        end with it (cut by the token budget) cannot be continued."""
+        [token_id] = self._encode(self.end_of_turn)
+        return token_id
+
     def _template_text(self) -> str:
         template = self.tokenizer.chat_template
         if isinstance(template, dict):  # named templates: the tool-use one when there are tools
@@ -164,12 +171,15 @@ class ChatRenderer:
         the rest of the turn's closing, the environment's ``new_messages``, the next generation prompt.
 
         ``messages_before`` is the conversation so far, ending with that assistant turn
-        ``{"role": "assistant", "content": decoded text}`` (no ``tool_calls`` field: the calls are in
-        the text, as the model wrote them).
+        ``{"role": "assistant", "content": text}``: the sampled ids decoded without the end-of-turn
+        token, and no ``tool_calls`` field (the calls are in the text, as the model wrote them).
         """
         if not messages_before or messages_before[-1].get("role") != "assistant":
             raise ValueError("messages_before must end with the assistant turn just generated, "
                              f"got a last role of {messages_before[-1].get('role') if messages_before else None!r}")
+        if (messages_before[-1].get("content") or "").endswith(self.end_of_turn):
+            raise ValueError(f"the assistant turn's content ends with the end-of-turn token {self.end_of_turn!r}, which "
+                             "the template writes itself; decode the sampled ids without it")
         before = self.render(messages_before, add_generation_prompt=False)
         after = self.render([*messages_before, *new_messages], add_generation_prompt=True)
         if not before.endswith(self.assistant_close):
