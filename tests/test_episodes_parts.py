@@ -512,3 +512,34 @@ def test_every_public_name_of_episodes_resolves():
     import gspo_lightning.episodes as episodes
 
     assert all(getattr(episodes, name) is not None for name in episodes.__all__)
+
+
+def test_the_parts_assemble_an_episode_token_in_token_out():
+    """How a runner puts them together: scripted turns stand in for the engine's samples."""
+    tokenizer = build_tokenizer(CHATML)
+    template = ToolEnvironment([add, divide])
+    env = template.fresh()
+    renderer = ChatRenderer(tokenizer, tools_schema=env.tools_schema)
+    messages = [*QUESTION, *env.reset({"prompt": "What is 2 + 3?"})]
+    ids = renderer.prompt_ids(messages)
+    mask = [0] * len(ids)
+    scripted = iter([TURN, call("divide", a=5, b=0), "It is 5."])
+    for turn in range(4):  # max_turns
+        text = next(scripted)
+        sampled = encode(tokenizer, text) + [renderer.end_of_turn_id]  # the engine's ids, stopped on <|im_end|>
+        ids += sampled
+        mask += [1] * len(sampled)
+        messages.append(assistant(tokenizer.decode(sampled, skip_special_tokens=True)))
+        result = env.step(messages[-1])
+        if result.done:
+            break
+        continuation = renderer.continuation_ids(messages, result.messages)
+        ids += continuation
+        mask += [0] * len(continuation)
+        messages += result.messages
+    assert turn == 2 and result.done
+    assert [m["content"] for m in messages if m["role"] == "tool"] == [
+        "5", "Error: divide raised ZeroDivisionError: division by zero"]
+    assert tokenizer.decode(ids) == renderer.render(messages, add_generation_prompt=False).removesuffix("\n")
+    assert sum(mask) == sum(len(encode(tokenizer, t)) + 1 for t in (TURN, call("divide", a=5, b=0), "It is 5."))
+    assert ids == encode(tokenizer, renderer.render(messages, add_generation_prompt=False))[:-1]  # all but the final "\n"
