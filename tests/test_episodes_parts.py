@@ -245,6 +245,12 @@ def test_tool_environment_answers_every_fault_and_counts_it():
     assert result.info == {"tool_calls": 6, "tool_errors": 6, "tool_timeouts": 1, "malformed_tool_calls": 1}
 
 
+def test_calls_drafted_while_reasoning_are_not_made():
+    text = "<think>\nMaybe " + call("add", a=1, b=1) + "? No.\n</think>\n\n" + call("add", a=2, b=3)
+    result = ToolEnvironment([add]).step(assistant(text))
+    assert [m["content"] for m in result.messages] == ["5"] and result.info["tool_calls"] == 1
+
+
 def test_only_malformed_calls_do_not_end_the_episode():
     result = ToolEnvironment([add]).step(assistant("<tool_call>add(1, 2)</tool_call>"))
     assert not result.done and len(result.messages) == 1
@@ -492,13 +498,49 @@ def test_a_template_without_an_end_of_turn_token_is_refused():
         ChatRenderer(build_tokenizer(no_terminator))
 
 
-def test_continuation_needs_the_assistant_turn_last():
-    renderer = ChatRenderer(build_tokenizer(CHATML))
+def test_continuation_needs_the_assistant_turn_last_without_its_end_of_turn_token():
+    tokenizer = build_tokenizer(CHATML)
+    renderer = ChatRenderer(tokenizer)
+    assert renderer.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     with pytest.raises(ValueError, match="must end with the assistant turn just generated, got a last role of 'user'"):
         renderer.continuation_ids(QUESTION, REPLY)
+    with pytest.raises(ValueError, match="content ends with the end-of-turn token '<\\|im_end\\|>'.*decode the sampled ids "
+                                         "without it"):
+        renderer.continuation_ids([*QUESTION, assistant(TURN + "<|im_end|>")], REPLY)
 
 
 def test_every_public_name_of_episodes_resolves():
     import gspo_lightning.episodes as episodes
 
     assert all(getattr(episodes, name) is not None for name in episodes.__all__)
+
+
+def test_the_parts_assemble_an_episode_token_in_token_out():
+    """How a runner puts them together: scripted turns stand in for the engine's samples."""
+    tokenizer = build_tokenizer(CHATML)
+    template = ToolEnvironment([add, divide])
+    env = template.fresh()
+    renderer = ChatRenderer(tokenizer, tools_schema=env.tools_schema)
+    messages = [*QUESTION, *env.reset({"prompt": "What is 2 + 3?"})]
+    ids = renderer.prompt_ids(messages)
+    mask = [0] * len(ids)
+    scripted = iter([TURN, call("divide", a=5, b=0), "It is 5."])
+    for turn in range(4):  # max_turns
+        text = next(scripted)
+        sampled = encode(tokenizer, text) + [renderer.end_of_turn_id]  # the engine's ids, stopped on <|im_end|>
+        ids += sampled
+        mask += [1] * len(sampled)
+        messages.append(assistant(tokenizer.decode(sampled, skip_special_tokens=True)))
+        result = env.step(messages[-1])
+        if result.done:
+            break
+        continuation = renderer.continuation_ids(messages, result.messages)
+        ids += continuation
+        mask += [0] * len(continuation)
+        messages += result.messages
+    assert turn == 2 and result.done
+    assert [m["content"] for m in messages if m["role"] == "tool"] == [
+        "5", "Error: divide raised ZeroDivisionError: division by zero"]
+    assert tokenizer.decode(ids) == renderer.render(messages, add_generation_prompt=False).removesuffix("\n")
+    assert sum(mask) == sum(len(encode(tokenizer, t)) + 1 for t in (TURN, call("divide", a=5, b=0), "It is 5."))
+    assert ids == encode(tokenizer, renderer.render(messages, add_generation_prompt=False))[:-1]  # all but the final "\n"

@@ -60,7 +60,8 @@ def _error_reply(text: str, name: Optional[str] = None) -> dict:
 class ToolEnvironment(Environment):
     """Runs the tool calls of each assistant turn and replies with one ``tool`` message per call.
 
-    The episode is done when a turn makes no call and no malformed call (a malformed call gets
+    Only the text after a turn's last ``</think>`` is read for calls (a call drafted while reasoning
+    is not made). The episode is done when a turn makes no call and no malformed call (a malformed call gets
     an error reply, so the model may retry). Calls run one after another, in the order written;
     a turn's unreadable calls are answered after its readable ones. Every fault is a reply
     ``"Error: ..."`` and is counted in ``StepResult.info``: ``tool_calls`` (all calls, readable
@@ -94,7 +95,9 @@ class ToolEnvironment(Environment):
         return copy.copy(self)
 
     def step(self, assistant_message: dict) -> StepResult:
-        turn = self.parser.parse(assistant_message.get("content") or "")
+        text = assistant_message.get("content") or ""
+        # calls written while reasoning are not calls: read only what follows the last </think>
+        turn = self.parser.parse(text.rpartition("</think>")[2])
         counts = {"tool_calls": len(turn.calls) + len(turn.errors), "tool_errors": len(turn.errors),
                   "tool_timeouts": 0, "malformed_tool_calls": len(turn.errors)}
         replies = []

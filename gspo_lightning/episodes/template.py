@@ -20,10 +20,12 @@ generation prompt) and with them (with the generation prompt); the second must s
 first, and the continuation is the difference, starting right after the end-of-turn token the
 model generated (so it includes the ``\\n`` ChatML writes after ``<|im_end|>``). Text, not ids,
 because diffing ids would re-tokenize the assistant's turn, the very thing we avoid, and a
-merge across its boundary would shift the diff. Tokenizing the suffix on its own equals
-tokenizing it in place when it starts right after a special token, as it does here; so
-``prompt_ids + sampled + continuation_ids`` equals tokenizing the whole rendered conversation
-whenever the sampled ids are what the tokenizer gives their text.
+merge across its boundary would shift the diff. The suffix starts right after a special token,
+so no merge crosses its start. So ``prompt_ids + sampled + continuation_ids`` equals tokenizing
+the whole rendered conversation when the sampled ids are what the tokenizer gives their text
+and no merge crosses the end of a generation prompt: the same condition as for a single-turn
+prompt and its completion (a tokenizer that merges ``"\n\n"`` at the end of a text but not
+before a word differs there, and then the ids the engine sampled after are the right ones).
 
 A template that renders earlier turns differently once more messages follow (Qwen3 drops the
 ``<think>`` of assistant turns before the last user message, and an empty one of a turn that
@@ -63,7 +65,8 @@ def template_reads_tools(template: str) -> bool:
     from jinja2 import meta
 
     try:
-        return "tools" in meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template))
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)  # parsed, not run
+        return "tools" in meta.find_undeclared_variables(parsed)
     except jinja2.TemplateError:  # a tag of transformers' own ({% generation %}): fall back to the name
         return re.search(r"\btools\b", template) is not None
 
@@ -102,13 +105,23 @@ class ChatRenderer:
         self.end_of_turn = end_of_turn if end_of_turn is not None else self._end_of_turn()
         if not self.assistant_close.startswith(self.end_of_turn):
             raise TemplateNotAppendOnly(f"the chat template closes an assistant turn with {self.assistant_close!r}, which "
-                                        f"does not start with the end-of-turn token {self.end_of_turn!r}")
+                                        f"does not start with the end-of-turn token {self.end_of_turn!r}; pass the "
+                                        "end_of_turn that the template writes after an assistant message")
         # what the template writes after the end-of-turn token ("\n" for ChatML): the continuation's first text
         self.after_end_of_turn = self.assistant_close[len(self.end_of_turn):]
         # a word-level tokenizer joins tokens with single spaces: its round trips are compared word by word
         probe = self.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
         self.keeps_whitespace = self.tokenizer.decode(self._encode(probe), skip_special_tokens=False,
                                                       clean_up_tokenization_spaces=False) == probe
+
+    @property
+    def end_of_turn_id(self) -> int:
+        """The id of the end-of-turn token: the engine stops an assistant turn on it, and a turn that does not
+        end with it (cut by the token budget) cannot be continued."""
+        ids = self._encode(self.end_of_turn)
+        if len(ids) != 1:
+            raise ValueError(f"the end-of-turn text {self.end_of_turn!r} is {len(ids)} tokens, not one special token")
+        return ids[0]
 
     def _template_text(self) -> str:
         template = self.tokenizer.chat_template
@@ -170,12 +183,15 @@ class ChatRenderer:
         the rest of the turn's closing, the environment's ``new_messages``, the next generation prompt.
 
         ``messages_before`` is the conversation so far, ending with that assistant turn
-        ``{"role": "assistant", "content": decoded text}`` (no ``tool_calls`` field: the calls are in
-        the text, as the model wrote them).
+        ``{"role": "assistant", "content": text}``: the sampled ids decoded without the end-of-turn
+        token, and no ``tool_calls`` field (the calls are in the text, as the model wrote them).
         """
         if not messages_before or messages_before[-1].get("role") != "assistant":
             raise ValueError("messages_before must end with the assistant turn just generated, "
                              f"got a last role of {messages_before[-1].get('role') if messages_before else None!r}")
+        if (messages_before[-1].get("content") or "").endswith(self.end_of_turn):
+            raise ValueError(f"the assistant turn's content ends with the end-of-turn token {self.end_of_turn!r}, which "
+                             "the template writes itself; decode the sampled ids without it")
         before = self.render(messages_before, add_generation_prompt=False)
         after = self.render([*messages_before, *new_messages], add_generation_prompt=True)
         if not before.endswith(self.assistant_close):
