@@ -521,7 +521,7 @@ def test_the_parts_assemble_an_episode_token_in_token_out():
     template = ToolEnvironment([add, divide])
     env = template.fresh()
     renderer = ChatRenderer(tokenizer, tools_schema=env.tools_schema)
-    messages = [*QUESTION, *env.reset({"prompt": "What is 2 + 3?"})]
+    messages = env.reset({"prompt": "What is 2 + 3?"}, list(QUESTION))
     ids = renderer.prompt_ids(messages)
     mask = [0] * len(ids)
     scripted = iter([TURN, call("divide", a=5, b=0), "It is 5."])

@@ -189,7 +189,7 @@ class ChatRenderer:
         if not messages_before or messages_before[-1].get("role") != "assistant":
             raise ValueError("messages_before must end with the assistant turn just generated, "
                              f"got a last role of {messages_before[-1].get('role') if messages_before else None!r}")
-        if (messages_before[-1].get("content") or "").endswith(self.end_of_turn):
+        if self.end_of_turn and (messages_before[-1].get("content") or "").endswith(self.end_of_turn):
             raise ValueError(f"the assistant turn's content ends with the end-of-turn token {self.end_of_turn!r}, which "
                              "the template writes itself; decode the sampled ids without it")
         before = self.render(messages_before, add_generation_prompt=False)

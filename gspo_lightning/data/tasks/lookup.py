@@ -80,23 +80,27 @@ def _assistant_texts(completion) -> list[str]:
 
 
 def lookup_answer_reward(completions: list, answer: list[str], **columns) -> list[float]:
-    """1 when the episode's last assistant turn is the row's digit (its first word), else 0."""
+    """After a tool reply: 1 when the last assistant turn answers with the row's digit (its first
+    word), 0.2 with another digit (the answer's form); 0 otherwise, and without a tool call."""
     scores = []
     for completion, digit in zip(completions, answer):
         texts = _assistant_texts(completion)
         words = texts[-1].split() if texts else []
-        scores.append(float(bool(words) and words[0] == digit and len(texts) > 1))
+        called = any(m.get("role") == "tool" for m in completion)
+        first = words[0] if words else ""
+        scores.append(0.0 if not called else 1.0 if first == digit else 0.2 if first.isdigit() else 0.0)
     return scores
 
 
 def lookup_call_reward(completions: list, key: list[str], **columns) -> list[float]:
-    """1 when the episode's first turn is exactly the call for the asked key (and ends there), 0.5
-    when it starts with that call but goes on, else 0."""
+    """1 when the episode's first turn calls for the asked key and the tool answered it (the turn
+    ended, so the episode went on), 0.5 when it starts with that call but never ended, else 0."""
     scores = []
     for completion, asked in zip(completions, key):
         texts = _assistant_texts(completion)
         words = texts[0].split() if texts else []
-        scores.append(1.0 if words == ["get", asked] else 0.5 if words[:2] == ["get", asked] else 0.0)
+        answered = len(completion) > 1 and completion[1].get("role") == "tool"
+        scores.append(float(words[:2] == ["get", asked]) * (1.0 if answered else 0.5))
     return scores
 
 
