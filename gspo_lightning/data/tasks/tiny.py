@@ -56,6 +56,8 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
     "tiny-successor-h32": TinyModelSpec(words=SUCCESSOR_WORDS, num_attention_heads=2, num_key_value_heads=1),
     # multi-turn episodes with a tool (the lookup task); heads of 32 dims, so vLLM's CPU attention runs it too
     "tiny-lookup": TinyModelSpec(words=LOOKUP_WORDS, num_attention_heads=2, num_key_value_heads=1),
+    "tiny-lookup-128": TinyModelSpec(words=LOOKUP_WORDS, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                     num_key_value_heads=2),
     # the same with 8 small experts, for Mixture-of-Experts experiments
     "tiny-moe-echo": TinyModelSpec(
         words=ECHO_WORDS,
