@@ -73,10 +73,13 @@ class ToolEnvironment(Environment):
         parser: reads the calls from the turn's text; default :class:`HermesToolCallParser`.
         timeout_s: the longest one call may run before its reply is a timeout error.
         max_calls_per_turn: calls past this many in one turn are not run; each gets an error reply.
+        first_messages: messages every conversation starts with, before the row's prompt: a system
+            message, a worked example of a call (a small model that has never seen the call format
+            in its chat template learns it from one example).
     """
 
     def __init__(self, tools: list[Union[str, Callable]], parser: Optional[ToolCallParser] = None,
-                 timeout_s: float = 5.0, max_calls_per_turn: int = 4):
+                 timeout_s: float = 5.0, max_calls_per_turn: int = 4, first_messages: Optional[list[dict]] = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if max_calls_per_turn < 1:
@@ -85,10 +88,16 @@ class ToolEnvironment(Environment):
         self.parser = parser if parser is not None else HermesToolCallParser()
         self.timeout_s = timeout_s
         self.max_calls_per_turn = max_calls_per_turn
+        self.first_messages = [dict(m) for m in first_messages or []]
+        if any(not isinstance(m.get("role"), str) or "content" not in m for m in self.first_messages):
+            raise ValueError("first_messages must be chat messages, each with a role and a content")
 
     @property
     def tools_schema(self) -> list[dict]:
         return [tool.schema for tool in self.tools.values()]
+
+    def reset(self, row: dict, prompt: list[dict]) -> list[dict]:
+        return [*self.first_messages, *prompt]
 
     def fresh(self) -> "ToolEnvironment":
         # no per-episode state: the loaded tools and the parser are shared, not copied

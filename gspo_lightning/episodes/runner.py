@@ -26,6 +26,7 @@ import torch
 
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
+from gspo_lightning.objective.advantages import turn_advantages
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 # how an episode ended
@@ -143,10 +144,26 @@ class MultiTurn:
         self.renderer_options = dict(system_prompt_for_tools=system_prompt_for_tools, end_of_turn=end_of_turn,
                                      template_kwargs=template_kwargs)
 
-    def start(self, tokenizer) -> None:
-        """Build the chat renderer (once the tokenizer exists), with the environment's tools."""
+    def check_objective(self, importance_sampling: str, adv_estimator: str) -> None:
+        """Per-turn advantages need token-level advantages in the loss."""
+        if self.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
+            raise ValueError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
+                             f"seq-token (GSPO-token) or token, and adv_estimator: grpo (got {importance_sampling}, "
+                             f"{adv_estimator})")
+
+    def advantages(self, rewards: torch.Tensor, turn_rewards: list[list[float]], turn_of_token: torch.Tensor,
+                   group_size: int, scored: Optional[torch.Tensor]) -> torch.Tensor:
+        """GSPO-token's per-turn advantages (``turn_advantages``): ``rewards`` are the episodes'
+        totals, the reward functions' outcome plus the environment's turn rewards."""
+        outcome = rewards - torch.tensor([sum(r) for r in turn_rewards], dtype=rewards.dtype, device=rewards.device)
+        return turn_advantages(outcome, turn_rewards, turn_of_token, group_size, discount=self.turn_discount, scored=scored)
+
+    def start(self, tokenizer, prompt_length: Optional[int] = None) -> None:
+        """Build the chat renderer (once the tokenizer exists), with the environment's tools.
+        ``prompt_length``: the longest prompt the engines were sized for (``data.prompt_length``)."""
         self.renderer = ChatRenderer(tokenizer, self.environment.tools_schema, **self.renderer_options)
         self.tokenizer = tokenizer
+        self.prompt_length = prompt_length
 
     def run(self, engine: RolloutEngine, prompts: list[Any], rows: list[dict], group_size: int,
             params: SamplingParams, seed: int) -> EpisodeBatch:
@@ -159,7 +176,12 @@ class MultiTurn:
             for _ in range(group_size):
                 environment = self.environment.fresh()  # an episode's own state
                 messages = environment.reset(dict(row), as_messages(prompt))
-                episodes.append(Episode(environment, messages, self.renderer.prompt_ids(messages), len(messages)))
+                ids = self.renderer.prompt_ids(messages)
+                if self.prompt_length is not None and len(ids) > self.prompt_length:
+                    raise ValueError(f"an episode's prompt is {len(ids)} tokens (the row's prompt with the environment's "
+                                     f"first messages and the tools' description), more than data.prompt_length="
+                                     f"{self.prompt_length}: raise data.prompt_length to at least {len(ids)}")
+                episodes.append(Episode(environment, messages, ids, len(messages)))
         groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
         # the usual case: every episode of a group starts from the same prompt, sampled as one group
         same_start = all(e.prompt_ids == group[0].prompt_ids for group in groups for e in group)

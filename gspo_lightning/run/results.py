@@ -13,7 +13,9 @@ exports it at the end of ``fit`` instead of the last step's policy.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Optional
 
 import lightning as L
@@ -38,6 +40,17 @@ def eval_step(trainer, pl_module) -> int:
     """The step an evaluation is of: Lightning's step in ``fit``; in ``validate`` / ``test``, which
     restore a checkpoint's weights but not Lightning's counter, the module's (``rollout_steps``)."""
     return trainer.global_step if trainer.state.fn == "fit" else getattr(pl_module, "rollout_steps", trainer.global_step)
+
+
+def append_eval_record(trainer, pl_module, values: dict[str, float]) -> None:
+    """One line of ``eval_results.jsonl`` in the run's log folder per evaluation (the untrained
+    model's included), written by rank 0; every rank calls it (``trainer.log_dir`` is a collective)."""
+    folder = Path(trainer.log_dir or trainer.default_root_dir)
+    if trainer.is_global_zero and counts_as_evaluation(trainer):
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"step": eval_step(trainer, pl_module), "policy_version": pl_module.policy_version, **values}
+        with open(folder / "eval_results.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
 
 
 def format_results(values: dict[str, float]) -> str:

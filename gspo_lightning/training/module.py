@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import os
 import time
 import warnings
@@ -38,7 +37,7 @@ from gspo_lightning.episodes.runner import MultiTurn
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
-from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages, turn_advantages
+from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
 from gspo_lightning.objective.clip_budget import ClipBudget
 from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
 from gspo_lightning.objective.options import (
@@ -53,7 +52,7 @@ from gspo_lightning.rollout.sampling import step_seed
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 from gspo_lightning.run.phases import PHASES
-from gspo_lightning.run.results import counts_as_evaluation, eval_step
+from gspo_lightning.run.results import append_eval_record, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
@@ -152,10 +151,8 @@ class GSPOModule(L.LightningModule):
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models). MoE policies always log how much routing changed since the old pass.
         router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
-        episodes: multi-turn episodes (``episodes.MultiTurn``: an environment by ``class_path``,
-            e.g. ``ToolEnvironment`` with Python functions as tools, and ``max_turns``); each
-            sample is one episode and ``response_length`` its token budget after the prompt. ``null``:
-            one completion per sample. See docs/episodes.md.
+        episodes: multi-turn episodes with an environment (``episodes.MultiTurn``; docs/episodes.md): each
+            sample is an episode, ``response_length`` its token budget after the prompt. ``null``: one turn.
         max_staleness: ``k``: generate the rollouts of the next ``k`` steps while this one trains
             (0: synchronous, on-policy; the default). The lag is counted in rollout steps; needs
             an engine with its own weights (``HFCopyEngine`` in float32, ``RemoteEngine``, vLLM); see docs/async.md.
@@ -278,9 +275,8 @@ class GSPOModule(L.LightningModule):
             episodes=episodes,
         )
         self.episodes = episodes
-        if episodes is not None and episodes.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
-            raise ValueError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
-                             "seq-token (GSPO-token) or token, and adv_estimator: grpo")
+        if episodes is not None:
+            episodes.check_objective(importance_sampling, adv_estimator)
         self.policy = None
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
@@ -516,10 +512,9 @@ class GSPOModule(L.LightningModule):
             kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
             advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum, scored=rollout.scored,
         )
-        if self.episodes is not None and self.episodes.turn_advantages:  # GSPO-token: each turn its return
-            outcome = rollout.rewards - torch.tensor([sum(r) for r in rollout.turn_rewards], device=rollout.rewards.device)
-            advantages = turn_advantages(outcome, rollout.turn_rewards, rollout.turn_of_token, rollout.group_size,
-                                         discount=self.episodes.turn_discount, scored=rollout.scored)
+        if self.episodes is not None and self.episodes.turn_advantages:  # GSPO-token: each turn its own return
+            advantages = self.episodes.advantages(rollout.rewards, rollout.turn_rewards, rollout.turn_of_token,
+                                                  rollout.group_size, rollout.scored)
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)
@@ -570,23 +565,14 @@ class GSPOModule(L.LightningModule):
                             self.hparams.accuracy_threshold)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_eval()
-
-    def on_test_epoch_end(self) -> None:
-        self._log_eval()
-
-    def _log_eval(self) -> None:
         values = self.val_metrics.compute()
         if not values:
             return
         self.log_dict({**values, "step": float(eval_step(self.trainer, self))}, on_step=False, on_epoch=True, prog_bar=False)
         self.last_eval_metrics = values
-        folder = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # a collective call: every rank
-        if self.trainer.is_global_zero and counts_as_evaluation(self.trainer):  # the untrained model's too
-            folder.mkdir(parents=True, exist_ok=True)
-            record = {"step": eval_step(self.trainer, self), "policy_version": self.policy_version, **values}
-            with open(folder / "eval_results.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+        append_eval_record(self.trainer, self, values)
+
+    on_test_epoch_end = on_validation_epoch_end  # the same metrics and record, under test/
 
     # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
