@@ -21,7 +21,7 @@ from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingPar
 
 ROOT = Path(__file__).resolve().parents[1]
 # tiny-lookup's ids: <pad> 0, <eos> 1, <unk> 2, then tiny.LOOKUP_WORDS in order
-PAD, EOS, USER, ASSISTANT, TOOL, FIND, GET = 0, 1, 3, 4, 5, 6, 7
+PAD, EOS, USER, TOOL, FIND, GET = 0, 1, 3, 5, 6, 7
 KEY = {k: 9 + i for i, k in enumerate("abcdef")}
 DIGIT = {d: 15 + d for d in range(10)}
 
@@ -63,27 +63,27 @@ ROW = {"prompt": "find c", "key": "c", "table": "1 2 3 4 5 6", "answer": "3"}
 CALL = ([GET, KEY["c"], EOS], [-0.1, -0.2, -0.3])
 GUESS = ([DIGIT[5], EOS], [-0.6, -0.7])
 ANSWER = ([DIGIT[3], EOS], [-0.4, -0.5])
-REPLY = [TOOL, DIGIT[3], ASSISTANT]  # "\ntool: 3\nassistant:" after the turn's <eos>
+REPLY = [TOOL, DIGIT[3]]  # "\ntool: 3\n" after the turn's <eos> (tiny-lookup's generation prompt is empty)
 
 
 def test_an_episode_holds_the_sampled_ids_and_the_reply_rendered_once_with_masks(tokenizer):
     engine = ScriptedEngine([[CALL, GUESS], [ANSWER]])
     batch = runner(tokenizer).run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=5)
 
-    prompt = [USER, FIND, KEY["c"], ASSISTANT]
+    prompt = [USER, FIND, KEY["c"]]
     assert engine.calls[0] == {"prompts": [prompt], "n": 2, "max_new_tokens": 12, "seed": 5}  # groups sampled as one
     # turn 2 continues the live episode from its exact ids: prompt, sampled turn, the tool's reply
     assert engine.calls[1]["prompts"] == [prompt + CALL[0] + REPLY] and engine.calls[1]["n"] == 1
-    assert engine.calls[1]["max_new_tokens"] == 12 - 6 and engine.calls[1]["seed"] != 5
+    assert engine.calls[1]["max_new_tokens"] == 12 - 5 and engine.calls[1]["seed"] != 5
 
     gen = batch.generation
-    assert gen.lengths.tolist() == [8, 2]
+    assert gen.lengths.tolist() == [7, 2]
     assert gen.completion_ids[0].tolist() == CALL[0] + REPLY + ANSWER[0]
     assert gen.completion_ids[1, :2].tolist() == GUESS[0]
-    assert batch.loss_mask[0].tolist() == [True, True, True, False, False, False, True, True]
+    assert batch.loss_mask[0].tolist() == [True, True, True, False, False, True, True]
     assert batch.loss_mask[1].tolist()[:2] == [True, True] and not batch.loss_mask[1, 2:].any()
-    assert batch.turn_of_token[0].tolist() == [0, 0, 0, -1, -1, -1, 1, 1]
-    assert torch.allclose(gen.logprobs[0], torch.tensor([-0.1, -0.2, -0.3, 0, 0, 0, -0.4, -0.5]))
+    assert batch.turn_of_token[0].tolist() == [0, 0, 0, -1, -1, 1, 1]
+    assert torch.allclose(gen.logprobs[0], torch.tensor([-0.1, -0.2, -0.3, 0, 0, -0.4, -0.5]))
     assert not gen.truncated.any()
     assert batch.prompt_ids == [prompt, prompt]
     assert batch.completions[0] == [{"role": "assistant", "content": "get c"}, {"role": "tool", "name": "get", "content": "3"},
@@ -93,7 +93,7 @@ def test_an_episode_holds_the_sampled_ids_and_the_reply_rendered_once_with_masks
     stats = batch.stats
     assert stats["episode/turns"] == 1.5 and stats["episode/tool_calls"] == 0.5 and stats["episode/tool_errors"] == 0.0
     assert stats["episode/ended_done"] == 1.0 and stats["episode/ended_budget"] == 0.0
-    assert stats["episode/environment_token_frac"] == pytest.approx(3 / 10)
+    assert stats["episode/environment_token_frac"] == pytest.approx(2 / 9)
     # the task's rewards read the conversation: the answer only counts after a tool reply
     assert lookup_answer_reward(batch.completions, ["3", "3"]) == [1.0, 0.0]
     assert lookup_call_reward(batch.completions, ["c", "c"]) == [1.0, 0.0]
@@ -101,8 +101,8 @@ def test_an_episode_holds_the_sampled_ids_and_the_reply_rendered_once_with_masks
 
 def test_a_reply_that_does_not_fit_the_budget_is_not_appended_and_the_episode_is_truncated(tokenizer):
     engine = ScriptedEngine([[CALL, GUESS]])
-    batch = runner(tokenizer).run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=6), seed=0)
-    assert len(engine.calls) == 1  # no second turn: 3 sampled + 3 reply tokens leave no room for an answer
+    batch = runner(tokenizer).run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=5), seed=0)
+    assert len(engine.calls) == 1  # no second turn: 3 sampled + 2 reply tokens leave no room for an answer
     assert batch.generation.lengths.tolist() == [3, 2]
     assert batch.generation.truncated.tolist() == [True, False]
     assert batch.stats["episode/ended_budget"] == 0.5 and batch.stats["episode/ended_done"] == 0.5
