@@ -80,15 +80,15 @@ def _assistant_texts(completion) -> list[str]:
 
 
 def lookup_answer_reward(completions: list, answer: list[str], **columns) -> list[float]:
-    """After a tool reply: 1 when the last assistant turn answers with the row's digit (its first
-    word), 0.2 with another digit (the answer's form); 0 otherwise, and without a tool call."""
+    """1 when, after a tool reply, the last assistant turn answers with the row's digit (its first
+    word); else 0 (no credit for the answer's form: a fixed digit would then be a resting point)."""
     scores = []
     for completion, digit in zip(completions, answer):
         texts = _assistant_texts(completion)
         words = texts[-1].split() if texts else []
         called = any(m.get("role") == "tool" for m in completion)
         first = words[0] if words else ""
-        scores.append(0.0 if not called else 1.0 if first == digit else 0.2 if first.isdigit() else 0.0)
+        scores.append(float(called and first == digit))
     return scores
 
 
