@@ -12,7 +12,7 @@ import yaml
 
 from gspo_lightning.data.tasks.lookup import LookupEnvironment
 from gspo_lightning.episodes.messages import StepResult
-from tests.test_episodes import logged, lookup_config
+from tests.test_episodes import ScriptedEngine, logged, lookup_config
 from tests.test_resume import metric_rows, policy_state
 
 EPISODE_KEYS = ("episode/turns", "episode/tool_calls", "episode/environment_token_frac", "episode/ended_done")
@@ -130,6 +130,38 @@ def test_an_async_episode_carries_the_version_of_the_weights_that_sampled_it(tmp
     assert [s[0] for s in seen] == [0, 1, 2] and all(s[3] for s in seen)
     # 2 optimizer steps per rollout step: step s's rollout was sampled with version 2 * (s - lag)
     assert [(v, lag) for _, v, lag, _ in seen] == [(0, 0), (0, 1), (2, 1)]
+
+
+class VersionedEngine(ScriptedEngine):
+    """The scripted engine, reporting a weights version per call (as a rollout server does)."""
+
+    def __init__(self, script, versions):
+        super().__init__(script)
+        self.versions = list(versions)
+
+    def generate(self, prompt_ids, n, params, seed):
+        generation = super().generate(prompt_ids, n, params, seed)
+        generation.weights_version = self.versions.pop(0)
+        return generation
+
+
+def test_an_episode_whose_turns_saw_other_weights_is_as_old_as_its_oldest_turn():
+    """A push between turns (rank 0 pushing to a server another rank samples from) gives turns of two
+    versions: the rollout's version, and so its lag and its off-policy correction, is the older."""
+    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.episodes.runner import MultiTurn
+    from gspo_lightning.rollout.engine import SamplingParams
+    from tests.test_episodes import ANSWER, CALL, GUESS, ROW
+
+    tokenizer = build_tokenizer(get_spec("tiny-lookup"))
+    episodes = MultiTurn(LookupEnvironment(), end_of_turn="")
+    episodes.start(tokenizer)
+    engine = VersionedEngine([[CALL, GUESS], [ANSWER]], versions=[6, 8])
+    batch = episodes.run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
+    assert batch.stats["episode/turns"] == 1.5  # the second turn ran, with version 8
+    assert batch.generation.weights_version == 6
+    engine = VersionedEngine([[GUESS, GUESS]], versions=[None])  # an engine that reports nothing: its own version
+    assert episodes.run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0).generation.weights_version is None
 
 
 # -- 2. synchronous stop and resume ---------------------------------------------------------------

@@ -163,6 +163,7 @@ class MultiTurn:
         groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
         # the usual case: every episode of a group starts from the same prompt, sampled as one group
         same_start = all(e.prompt_ids == group[0].prompt_ids for group in groups for e in group)
+        versions = []  # the weights version each turn reports (a rollout server's; None: the engine's own)
         for turn in range(self.max_turns):
             live = [e for e in episodes if e.ending is None]
             if not live:
@@ -174,8 +175,14 @@ class MultiTurn:
                 generation = engine.generate([group[0].prompt_ids for group in groups], group_size, turn_params, turn_seed)
             else:
                 generation = engine.generate([e.prompt_ids + e.ids for e in live], 1, turn_params, turn_seed)
+            versions.append(generation.weights_version)
             self._take_turn(live, generation, budget)
-        return self._batch(episodes, group_size, engine)
+        batch = self._batch(episodes, group_size, engine)
+        # weights pushed between turns (another rank's push to a shared server) make turns of other
+        # versions: the episodes are as old as their oldest turn, as a reply from several servers is
+        reported = [v for v in versions if v is not None]
+        batch.generation.weights_version = min(reported) if reported else None
+        return batch
 
     def _take_turn(self, live: list[Episode], generation: Generation, budget: int) -> None:
         lengths = generation.lengths.tolist()
