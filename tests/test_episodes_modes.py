@@ -215,3 +215,61 @@ def test_a_rollout_server_serves_episodes_from_token_ids_without_a_gap(tmp_path,
     assert any(n == 4 and len(p) == 4 for p, n in prompts) and later
     assert all(n == 1 and TOOL in p[4:] for p, n in later)
     assert all(isinstance(t, int) for prompts, _ in requests for p in prompts for t in p)
+
+
+# -- 4. dynamic sampling ----------------------------------------------------------------------------
+def episode_rollout(script, rewards, tag):
+    """A rollout of two lookup episodes (one group) from scripted turns, as the worker builds it."""
+    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.episodes.runner import MultiTurn
+    from gspo_lightning.rollout.engine import SamplingParams
+    from gspo_lightning.rollout.worker import Rollout, build_rollout_tensors
+    from tests.test_episodes import ROW
+
+    tokenizer = build_tokenizer(get_spec("tiny-lookup"))
+    episodes = MultiTurn(LookupEnvironment(), end_of_turn="")
+    episodes.start(tokenizer)
+    batch = episodes.run(ScriptedEngine(script), [ROW["prompt"]], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
+    tensors = build_rollout_tensors(batch.prompt_ids, batch.generation, 1, tokenizer.pad_token_id, torch.device("cpu"),
+                                    loss_mask=batch.loss_mask)
+    return Rollout(**tensors, rewards=torch.tensor(rewards), reward_components={"r": torch.tensor(rewards)}, group_size=2,
+                   policy_version=0, prompts=[tag] * 2, completions=[f"{tag}{i}" for i in range(2)],
+                   turn_of_token=batch.turn_of_token, turn_rewards=batch.turn_rewards, episode_stats=batch.stats)
+
+
+def test_select_groups_keeps_environment_tokens_attended_and_out_of_the_response_mask():
+    from gspo_lightning.rollout.dynamic_sampling import select_groups
+    from tests.test_episodes import ANSWER, ASSISTANT, CALL, DIGIT, EOS, GET, GUESS, KEY, PAD, TOOL
+
+    single = episode_rollout([[GUESS, GUESS]], [0.0, 0.0], "s")  # one turn each: 2 tokens wide
+    multi = episode_rollout([[CALL, GUESS], [ANSWER]], [1.0, 0.0], "m")  # call, reply, answer: 8 wide
+    merged = select_groups([single, multi], [(1, 0), (0, 0)], PAD)
+    p = merged.prompt_width
+    episode = [GET, KEY["c"], EOS, TOOL, DIGIT[3], ASSISTANT, DIGIT[3], EOS]
+    assert merged.input_ids[0, p:].tolist() == episode
+    # the tool's reply (positions 3..5) is attended to but trains nothing
+    assert merged.attention_mask[0, p:].tolist() == [1] * 8
+    assert merged.response_mask[0].tolist() == [True, True, True, False, False, False, True, True]
+    assert merged.turn_of_token[0].tolist() == [0, 0, 0, -1, -1, -1, 1, 1]
+    assert merged.engine_logprobs[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0, 0, 0, -0.4, -0.5])
+    # the narrower round is padded: neither attended nor trained, turn -1
+    assert merged.attention_mask[2, p:].tolist() == [1, 1] + [0] * 6
+    assert merged.response_mask[2].tolist() == [True, True] + [False] * 6
+    assert merged.turn_of_token[2].tolist() == [0, 0] + [-1] * 6
+    assert merged.turn_rewards == [[0.0, 0.0], [0.0], [0.0], [0.0]]
+    assert merged.lengths.tolist() == [5, 2, 2, 2]  # the model's own tokens
+    assert merged.episode_stats["episode/turns"] == pytest.approx((1.5 + 1.0) / 2)  # each round's mean, averaged
+
+
+def test_dynamic_sampling_with_episodes_runs_and_logs_episode_metrics(tmp_path):
+    from gspo_lightning.cli import main
+
+    config = episodes_config(tmp_path, dynamic_sampling=True, max_sampling_rounds=2, old_logprobs="engine")
+    main(["fit", "--config", str(config), "--seed_everything", "7"])
+    rows = logged(tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        # a kept episode from another round keeps its own masks: the engine's tokens score alike
+        assert row["engine/logprob_abs_diff"] < 1e-5, row["engine/logprob_abs_diff"]
+        assert all(key in row for key in EPISODE_KEYS) and "dynamic_sampling/rounds" in row
+    assert any(row["dynamic_sampling/rounds"] > 1 for row in rows)
