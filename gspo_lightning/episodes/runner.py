@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -121,6 +121,8 @@ class MultiTurn:
         template_kwargs: extra chat-template variables, e.g. ``{enable_thinking: false}``.
     """
 
+    lockstep: Optional[Callable[[bool], bool]] = None
+
     def __init__(self, environment: Environment, max_turns: int = 4, max_turn_tokens: Optional[int] = None,
                  on_environment_error: str = "raise", turn_advantages: bool = False, turn_discount: float = 1.0,
                  system_prompt_for_tools: Optional[str] = DEFAULT_TOOLS_SYSTEM_PROMPT, end_of_turn: Optional[str] = None,
@@ -143,10 +145,15 @@ class MultiTurn:
         self.renderer_options = dict(system_prompt_for_tools=system_prompt_for_tools, end_of_turn=end_of_turn,
                                      template_kwargs=template_kwargs)
 
-    def start(self, tokenizer) -> None:
-        """Build the chat renderer (once the tokenizer exists), with the environment's tools."""
+    def start(self, tokenizer, lockstep: Optional[Callable[[bool], bool]] = None) -> None:
+        """Build the chat renderer (once the tokenizer exists), with the environment's tools.
+
+        ``lockstep(done) -> all_done`` (``EngineSpec.lockstep``: a policy sharded over ranks):
+        an engine that samples from the sharded policy itself gathers its weights in every
+        ``generate``, a collective, so every rank must take as many turns (see :meth:`run`)."""
         self.renderer = ChatRenderer(tokenizer, self.environment.tools_schema, **self.renderer_options)
         self.tokenizer = tokenizer
+        self.lockstep = lockstep
 
     def run(self, engine: RolloutEngine, prompts: list[Any], rows: list[dict], group_size: int,
             params: SamplingParams, seed: int) -> EpisodeBatch:
@@ -164,13 +171,23 @@ class MultiTurn:
         # the usual case: every episode of a group starts from the same prompt, sampled as one group
         same_start = all(e.prompt_ids == group[0].prompt_ids for group in groups for e in group)
         versions = []  # the weights version each turn reports (a rollout server's; None: the engine's own)
+        # ranks of a sharded policy sampled in place agree on every turn: a rank whose episodes all
+        # ended takes the turn on a stand-in prompt, discarded, while another rank still has live ones
+        agree = self.lockstep is not None and engine.shares_policy_weights
         for turn in range(self.max_turns):
             live = [e for e in episodes if e.ending is None]
-            if not live:
+            if agree and self.lockstep(not live):
                 break
-            room = max(budget - len(e.ids) for e in live)
+            if not agree and not live:
+                break
+            # in lockstep every rank asks for as many tokens (the decode loop may be a collective
+            # too); what a turn samples past an episode's room is cut in _take_turn
+            room = budget if agree else max(budget - len(e.ids) for e in live)
             turn_params = dataclasses.replace(params, max_new_tokens=min(room, self.max_turn_tokens or room))
             turn_seed = seed if turn == 0 else hash_seed(seed, turn)
+            if not live:
+                engine.generate([episodes[0].prompt_ids], 1, turn_params, turn_seed)
+                continue
             if turn == 0 and same_start:  # as a single-turn rollout samples its groups
                 generation = engine.generate([group[0].prompt_ids for group in groups], group_size, turn_params, turn_seed)
             else:
