@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def launch(out_dir: Path, ranks: int, strategy: str, cases: list[str] = list(CASES), timeout: float = 600) -> dict:
+def launch(out_dir: Path, ranks: int, strategy: str, cases: tuple[str, ...] = tuple(CASES), timeout: float = 600) -> dict:
     """Every case in one launch (process start-up dominates), one result file per case."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
@@ -32,7 +32,7 @@ def launch(out_dir: Path, ranks: int, strategy: str, cases: list[str] = list(CAS
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
-        raise AssertionError(f"{ranks} ranks ({strategy}, {cases}) did not finish in {timeout:.0f} s: a rank waits in a collective")
+        raise AssertionError(f"{ranks} ranks ({strategy}, {list(cases)}) did not finish in {timeout:.0f} s: a rank waits in a collective")
     assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
     return {case: torch.load(out_dir / f"{case}.pt") for case in cases}
 
@@ -69,5 +69,5 @@ def test_ranks_whose_episodes_take_different_numbers_of_turns(tmp_path, strategy
     turns (3 and 1 generate calls). FSDP2 with an engine that gathers the sharded weights in every
     generate (HFEngine's way), a collective: rank 1 takes stand-in turns so both make 3 calls, where
     it would otherwise leave rank 0 waiting in the gather for ever (hence the short timeout)."""
-    calls = launch(tmp_path, 2, strategy, ["episodes-uneven"], timeout=240)["episodes-uneven"]["calls"]
+    calls = launch(tmp_path, 2, strategy, ("episodes-uneven",), timeout=240)["episodes-uneven"]["calls"]
     assert calls == {"ddp": [3, 1], "fsdp2": [3, 3]}[strategy]

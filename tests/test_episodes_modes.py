@@ -239,7 +239,18 @@ def episode_rollout(script, rewards, tag):
 
 def test_select_groups_keeps_environment_tokens_attended_and_out_of_the_response_mask():
     from gspo_lightning.rollout.dynamic_sampling import select_groups
-    from tests.test_episodes import ANSWER, ASSISTANT, CALL, DIGIT, EOS, GET, GUESS, KEY, PAD, TOOL
+    from tests.test_episodes import (
+        ANSWER,
+        ASSISTANT,
+        CALL,
+        DIGIT,
+        EOS,
+        GET,
+        GUESS,
+        KEY,
+        PAD,
+        TOOL,
+    )
 
     single = episode_rollout([[GUESS, GUESS]], [0.0, 0.0], "s")  # one turn each: 2 tokens wide
     multi = episode_rollout([[CALL, GUESS], [ANSWER]], [1.0, 0.0], "m")  # call, reply, answer: 8 wide
@@ -259,6 +270,48 @@ def test_select_groups_keeps_environment_tokens_attended_and_out_of_the_response
     assert merged.turn_rewards == [[0.0, 0.0], [0.0], [0.0], [0.0]]
     assert merged.lengths.tolist() == [5, 2, 2, 2]  # the model's own tokens
     assert merged.episode_stats["episode/turns"] == pytest.approx((1.5 + 1.0) / 2)  # each round's mean, averaged
+
+
+def test_the_environment_token_fraction_is_the_kept_rows_tokens():
+    """Logged from the step's masks, weighted by tokens: what a step trains on, the same over ranks."""
+    from gspo_lightning.rollout.dynamic_sampling import select_groups
+    from gspo_lightning.training.metrics import StepMetrics, record_rollout
+    from tests.test_episodes import ANSWER, CALL, GUESS, PAD
+
+    single = episode_rollout([[GUESS, GUESS]], [0.0, 0.0], "s")
+    multi = episode_rollout([[CALL, GUESS], [ANSWER]], [1.0, 0.0], "m")
+    merged = select_groups([single, multi], [(1, 0), (0, 0)], PAD)
+    metrics = StepMetrics()
+    record_rollout(metrics, merged, torch.zeros_like(merged.engine_logprobs))
+    values = metrics.compute()
+    assert values["episode/environment_token_frac"] == pytest.approx(3 / (8 + 2 + 2 + 2))  # one 3-token reply
+    assert values["episode/turns"] == pytest.approx(1.25)
+
+
+def test_ranks_of_a_sharded_policy_take_every_turn_together():
+    """With a lockstep (a sharded policy sampled in place) a rank whose episodes ended samples a
+    stand-in turn while another rank goes on, and every turn asks for the whole budget; the
+    episodes are the ones the free loop makes (tests/test_distributed.py runs it on 2 ranks)."""
+    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.episodes.runner import MultiTurn
+    from gspo_lightning.rollout.engine import SamplingParams
+    from tests.test_episodes import CALL, GUESS, ROW
+
+    tokenizer = build_tokenizer(get_spec("tiny-lookup"))
+    params = SamplingParams(max_new_tokens=12)
+    free = MultiTurn(LookupEnvironment(), end_of_turn="")
+    free.start(tokenizer)
+    alone = free.run(ScriptedEngine([[GUESS, GUESS]]), ["find c"], [ROW], 2, params, seed=0)
+
+    asked = []
+    episodes = MultiTurn(LookupEnvironment(), end_of_turn="", max_turns=3)
+    episodes.start(tokenizer, lockstep=lambda done: asked.append(done) or len(asked) == 3)  # the other rank: 2 turns
+    engine = ScriptedEngine([[GUESS, GUESS], [CALL]])
+    batch = episodes.run(engine, ["find c"], [ROW], 2, params, seed=0)
+    assert asked == [False, True, True]  # live at turn 1, done here at turns 2 and 3
+    assert len(engine.calls) == 2 and engine.calls[1]["n"] == 1 and engine.calls[1]["max_new_tokens"] == 12
+    assert torch.equal(batch.generation.completion_ids, alone.generation.completion_ids)
+    assert torch.equal(batch.loss_mask, alone.loss_mask) and batch.stats == alone.stats
 
 
 def test_dynamic_sampling_with_episodes_runs_and_logs_episode_metrics(tmp_path):

@@ -14,12 +14,12 @@ import lightning as L
 import torch
 
 from gspo_lightning.data.datamodule import PromptDataModule
-from gspo_lightning.models.lora import LoRA
-from gspo_lightning.training.module import GSPOModule
-from gspo_lightning.rollout.engine import Generation, RolloutEngine
-from gspo_lightning.rewards import RewardSpec
-from gspo_lightning.episodes.runner import MultiTurn
 from gspo_lightning.episodes.messages import StepResult
+from gspo_lightning.episodes.runner import MultiTurn
+from gspo_lightning.models.lora import LoRA
+from gspo_lightning.rewards import RewardSpec
+from gspo_lightning.rollout.engine import Generation, RolloutEngine
+from gspo_lightning.training.module import GSPOModule
 from tests.test_episodes_modes import RepliesToEveryTurn
 
 
