@@ -217,6 +217,25 @@ def test_a_rollout_server_serves_episodes_from_token_ids_without_a_gap(tmp_path,
     assert all(isinstance(t, int) for prompts, _ in requests for p in prompts for t in p)
 
 
+def test_async_episodes_from_a_rollout_server(tmp_path):
+    """max_staleness 1 with the server: episodes sampled beside the update carry the server's version."""
+    from gspo_lightning.cli import main
+    from tests.helpers import serve_in_thread
+
+    app, httpd, url = serve_in_thread("builtin:tiny-lookup", {"class_path": "gspo_lightning.rollout.HFEngine"},
+                                      prompt_length=8, response_length=12)
+    try:
+        engine = {"class_path": "gspo_lightning.rollout.RemoteEngine", "init_args": {"urls": [url]}}
+        main(["fit", "--config", str(resumable_config(tmp_path, 3, **{**ASYNC, "engine": engine}))])
+    finally:
+        httpd.shutdown()
+        app.close()
+    rows = metric_rows(tmp_path)
+    assert [float(rows[v]["async/lag"]) for v in sorted(rows)] == [0.0, 1.0, 1.0]
+    assert float(rows[2.0]["engine/logprob_abs_diff"]) < 1e-5  # lag 0: the server's weights are the trainer's
+    assert all(key in row for row in rows.values() for key in EPISODE_KEYS)
+
+
 # -- 4. dynamic sampling ----------------------------------------------------------------------------
 def episode_rollout(script, rewards, tag):
     """A rollout of two lookup episodes (one group) from scripted turns, as the worker builds it."""
