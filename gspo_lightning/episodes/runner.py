@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -122,6 +122,8 @@ class MultiTurn:
         template_kwargs: extra chat-template variables, e.g. ``{enable_thinking: false}``.
     """
 
+    lockstep: Optional[Callable[[bool], bool]] = None
+
     def __init__(self, environment: Environment, max_turns: int = 4, max_turn_tokens: Optional[int] = None,
                  on_environment_error: str = "raise", turn_advantages: bool = False, turn_discount: float = 1.0,
                  system_prompt_for_tools: Optional[str] = DEFAULT_TOOLS_SYSTEM_PROMPT, end_of_turn: Optional[str] = None,
@@ -158,12 +160,17 @@ class MultiTurn:
         outcome = rewards - torch.tensor([sum(r) for r in turn_rewards], dtype=rewards.dtype, device=rewards.device)
         return turn_advantages(outcome, turn_rewards, turn_of_token, group_size, discount=self.turn_discount, scored=scored)
 
-    def start(self, tokenizer, prompt_length: Optional[int] = None) -> None:
+    def start(self, tokenizer, prompt_length: Optional[int] = None, lockstep: Optional[Callable[[bool], bool]] = None) -> None:
         """Build the chat renderer (once the tokenizer exists), with the environment's tools.
-        ``prompt_length``: the longest prompt the engines were sized for (``data.prompt_length``)."""
+
+        ``prompt_length``: the longest prompt the engines were sized for (``data.prompt_length``).
+        ``lockstep(done) -> all_done`` (``EngineSpec.lockstep``: a policy sharded over ranks):
+        an engine that samples from the sharded policy itself gathers its weights in every
+        ``generate``, a collective, so every rank must take as many turns (see :meth:`run`)."""
         self.renderer = ChatRenderer(tokenizer, self.environment.tools_schema, **self.renderer_options)
         self.tokenizer = tokenizer
         self.prompt_length = prompt_length
+        self.lockstep = lockstep
 
     def run(self, engine: RolloutEngine, prompts: list[Any], rows: list[dict], group_size: int,
             params: SamplingParams, seed: int) -> EpisodeBatch:
@@ -185,19 +192,36 @@ class MultiTurn:
         groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
         # the usual case: every episode of a group starts from the same prompt, sampled as one group
         same_start = all(e.prompt_ids == group[0].prompt_ids for group in groups for e in group)
+        versions = []  # the weights version each turn reports (a rollout server's; None: the engine's own)
+        # ranks of a sharded policy sampled in place agree on every turn: a rank whose episodes all
+        # ended takes the turn on a stand-in prompt, discarded, while another rank still has live ones
+        agree = self.lockstep is not None and engine.shares_policy_weights
         for turn in range(self.max_turns):
             live = [e for e in episodes if e.ending is None]
-            if not live:
+            if agree and self.lockstep(not live):
                 break
-            room = max(budget - len(e.ids) for e in live)
+            if not agree and not live:
+                break
+            # in lockstep every rank asks for as many tokens (the decode loop may be a collective
+            # too); what a turn samples past an episode's room is cut in _take_turn
+            room = budget if agree else max(budget - len(e.ids) for e in live)
             turn_params = dataclasses.replace(params, max_new_tokens=min(room, self.max_turn_tokens or room))
             turn_seed = seed if turn == 0 else hash_seed(seed, turn)
+            if not live:
+                engine.generate([episodes[0].prompt_ids], 1, turn_params, turn_seed)
+                continue
             if turn == 0 and same_start:  # as a single-turn rollout samples its groups
                 generation = engine.generate([group[0].prompt_ids for group in groups], group_size, turn_params, turn_seed)
             else:
                 generation = engine.generate([e.prompt_ids + e.ids for e in live], 1, turn_params, turn_seed)
+            versions.append(generation.weights_version)
             self._take_turn(live, generation, budget)
-        return self._batch(episodes, group_size, engine)
+        batch = self._batch(episodes, group_size, engine)
+        # weights pushed between turns (another rank's push to a shared server) make turns of other
+        # versions: the episodes are as old as their oldest turn, as a reply from several servers is
+        reported = [v for v in versions if v is not None]
+        batch.generation.weights_version = min(reported) if reported else None
+        return batch
 
     def _take_turn(self, live: list[Episode], generation: Generation, budget: int) -> None:
         lengths = generation.lengths.tolist()

@@ -134,7 +134,7 @@ class RolloutWorker:
         if not self.started:
             self.engine.start(spec)
             if self.episodes is not None:
-                self.episodes.start(self.tokenizer, spec.prompt_length)
+                self.episodes.start(self.tokenizer, spec.prompt_length, lockstep=spec.lockstep)
             self.started = True
 
     def sync_weights(self, version: int, policy_weights: WeightsSource) -> dict[str, float]:
