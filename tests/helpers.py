@@ -34,7 +34,7 @@ class CountingTransport(InProcessTransport):
 
 
 def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, response_length: int = 10, seed: int = 0,
-                    **server_kwargs):
+                    lora=None, **server_kwargs):
     """A rollout server hosting ``engine`` in this process, on a free localhost port:
     ``(server, httpd, url)``; stop with ``httpd.shutdown(); server.close()``."""
     import threading
@@ -42,7 +42,7 @@ def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, respons
     from gspo_lightning.rollout.server import RolloutServer, ServerSpec, http_server
 
     server = RolloutServer(ServerSpec(model, prompt_length=prompt_length, response_length=response_length, seed=seed,
-                                      engine=engine), **server_kwargs)
+                                      engine=engine, lora=lora), **server_kwargs)
     server.start()
     httpd = http_server(server, "127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

@@ -215,19 +215,87 @@ def test_engines_sample_from_the_adapted_policy(base_folder, tmp_path, engine):
     assert (adapted - unadapted).abs().mean() > 100 * max(gaps.seen)
 
 
-def test_a_rollout_server_samples_from_the_adapted_policy(base_folder, tmp_path):
-    """Merged weights pushed to a rollout server (folder transport, base names): the gap of
-    every step stays at float32 level while the adapters move the policy."""
+def adapter_bytes(policy):
+    return sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
+
+
+@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+def test_a_rollout_server_samples_from_the_adapted_policy(base_folder, tmp_path, lora_sync):
+    """Pushes to a rollout server (folder transport, HF engine): the adapters alone (the server
+    attaches LoRA to its model and loads them) or the merged model under the base names. The
+    gap of every step stays at float32 level while the adapters move the policy, and a push
+    carries the adapters' bytes (adapter) or the whole model's (merged)."""
     from gspo_lightning.rollout import RemoteEngine
     from tests.helpers import serve_in_thread
 
+    served = LoRA(rank=4, alpha=8).serving_config() if lora_sync == "adapter" else None
     app, httpd, url = serve_in_thread(base_folder, {"class_path": "gspo_lightning.rollout.HFEngine"},
-                                      prompt_length=8, response_length=5)
+                                      prompt_length=8, response_length=5, lora=served)
+    engines = []
+
+    def engine():
+        engines.append(RemoteEngine(urls=[url], lora_sync=lora_sync))
+        return engines[-1]
+
     try:
-        test_engines_sample_from_the_adapted_policy(base_folder, tmp_path, lambda: RemoteEngine(urls=[url]))
+        test_engines_sample_from_the_adapted_policy(base_folder, tmp_path, engine)
     finally:
         httpd.shutdown()
         app.close()
+    remote = engines[0]
+    assert remote.weights_format == ("adapter" if lora_sync == "adapter" else "full")
+    pushed = remote.pushed["manifest"]
+    policy, _ = load(base_folder, LoRA(rank=4, alpha=8))
+    adapters = adapter_bytes(policy)
+    if lora_sync == "adapter":
+        assert pushed["bytes"] == adapters
+        assert all(name.endswith((".lora_A.weight", ".lora_B.weight")) for name in pushed["names"])
+    else:
+        base, _ = load(base_folder)
+        assert pushed["bytes"] == sum(p.numel() * p.element_size() for p in base.parameters())
+        assert pushed["bytes"] > 3 * adapters
+
+
+def test_a_server_refuses_what_its_adapters_do_not_match(base_folder):
+    """A server started without the run's LoRA config (or with another) is named at start,
+    not found out by a wrong rollout; a push of other tensor names is refused."""
+    from gspo_lightning.errors import RolloutServerError
+    from gspo_lightning.rollout import EngineSpec, RemoteEngine
+    from tests.helpers import serve_in_thread
+
+    policy, tok = load(base_folder, LoRA(rank=4, alpha=8))
+    spec = EngineSpec(model_name_or_path=base_folder, dtype="float32", prompt_length=8, response_length=5, seed=0,
+                      eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=policy, tokenizer=tok,
+                      lora=LoRA(rank=4, alpha=8))
+    app, httpd, url = serve_in_thread(base_folder, {"class_path": "gspo_lightning.rollout.HFEngine"},
+                                      prompt_length=8, response_length=5)
+    try:
+        with pytest.raises(RolloutServerError, match="lora_sync: merged"):
+            RemoteEngine(urls=[url]).start(spec)
+        merged = RemoteEngine(urls=[url], lora_sync="merged")
+        merged.start(spec)  # full weights to a server without adapters: fine
+        merged.close()
+    finally:
+        httpd.shutdown()
+        app.close()
+    # a server whose own base differs from the policy's (a builtin: model drawn from another random
+    # state): adapters alone would apply to other weights
+    app, httpd, url = serve_in_thread(base_folder, {"class_path": "gspo_lightning.rollout.HFEngine"},
+                                      prompt_length=8, response_length=5, lora=LoRA(rank=4, alpha=8).serving_config())
+    try:
+        other = load(base_folder, LoRA(rank=4, alpha=8))[0]
+        with torch.no_grad():
+            next(p for n, p in other.named_parameters() if "base_layer" in n).add_(1e-3)
+        with pytest.raises(RolloutServerError, match="another base model"):
+            RemoteEngine(urls=[url]).start(EngineSpec(**{**spec.__dict__, "policy": other}))
+        RemoteEngine(urls=[url]).start(spec)  # the same base: accepted
+    finally:
+        httpd.shutdown()
+        app.close()
+    with pytest.raises(ValueError, match="lora_sync: adapter needs a LoRA policy"):
+        base, _ = load(base_folder)
+        RemoteEngine(urls=["http://127.0.0.1:1"], lora_sync="adapter").start(
+            EngineSpec(**{**spec.__dict__, "policy": base, "lora": None}))
 
 
 def test_asynchronous_rollouts_come_from_the_adapters_of_their_version(base_folder, tmp_path):
@@ -258,3 +326,16 @@ def test_asynchronous_rollouts_come_from_the_adapters_of_their_version(base_fold
             torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=name)
     moved = max((snapshots[watch.version][k] - snapshots[0][k]).abs().max() for k in expected)
     assert moved > 1e-3  # the adapters had changed the merged weights by then
+
+
+def test_gspo_serve_reads_the_adapters_a_config_pushes():
+    """``gspo serve --config``: a LoRA config's server expects adapter pushes (its engine's
+    ``lora_sync`` unset or ``adapter``), a ``lora_sync: merged`` one full weights."""
+    from gspo_lightning.rollout.server import spec_from_config
+
+    remote = {"class_path": "gspo_lightning.rollout.RemoteEngine", "init_args": {"urls": ["http://h:1"]}}
+    config = {"model": {"model_name_or_path": "m", "lora": {"rank": 16, "alpha": 32}, "engine": remote}}
+    assert spec_from_config(config).lora == {"rank": 16, "alpha": 32, "target_modules": "all-linear"}
+    merged = {**remote, "init_args": {**remote["init_args"], "lora_sync": "merged"}}
+    assert spec_from_config({"model": {**config["model"], "engine": merged}}).lora is None
+    assert spec_from_config({"model": {"model_name_or_path": "m", "engine": remote}}).lora is None

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from gspo_lightning.rollout import vllm as vllm_engine
+from gspo_lightning.rollout import vllm_setup as vllm_engine  # where import_vllm lives
 from gspo_lightning.rollout.engine import EngineSpec, Generation, SamplingParams
 from gspo_lightning.rollout.vllm import (
     CPU_INSTALL, CUDA_INSTALL, VLLMEngine, VLLMStartError, engine_seed, import_vllm, platform_problem, process_state_kept, request_seeds,

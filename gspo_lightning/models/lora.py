@@ -8,7 +8,9 @@ elsewhere, each in one place:
 - the reference policy is the base: the policy with its adapters off (:func:`adapters_disabled`),
   no second copy of the model;
 - engines receive the merged weights under the base model's names (:class:`MergedLoRAWeight`,
-  used by ``rollout/weight_sync.py``): any engine that loads the base model loads them;
+  used by ``rollout/weight_sync.py``): any engine that loads the base model loads them; or,
+  for engines that serve adapters (vLLM, rollout servers), the adapters alone under PEFT's
+  names (:func:`adapter_named_weights`, :func:`write_adapter_folder`);
 - checkpoints hold the adapters, the optimizer and the run state, not the frozen base
   (:func:`frozen_state_keys`), which is rebuilt from ``model_name_or_path`` on resume;
 - exports: the merged model (:func:`merged_state_dict`, loads with Auto classes) and the PEFT
@@ -18,6 +20,7 @@ elsewhere, each in one place:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
@@ -57,6 +60,17 @@ class LoRA:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty: use all-linear or name the modules, e.g. [q_proj, v_proj]")
+
+    def as_dict(self) -> dict:
+        """The config as JSON-able fields (a rollout server's spec carries it)."""
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "target_modules": targets,
+                "init_seed": self.init_seed}
+
+    def serving_config(self) -> dict:
+        """What an engine serving these adapters must agree on (rank, alpha, target modules)."""
+        fields = self.as_dict()
+        return {key: fields[key] for key in ("rank", "alpha", "target_modules")}
 
     def peft_config(self, base_model_name_or_path: Optional[str] = None):
         from peft import LoraConfig
@@ -181,6 +195,72 @@ def base_model_copy(model: nn.Module, state: dict[str, Tensor]) -> nn.Module:
         raise RuntimeError(f"the merged model lacks {missing[:5]}: this LoRA policy's names do not map to its base class")
     plain.generation_config = model.generation_config
     return plain
+
+
+# -- adapters alone: what adapter-serving engines receive ------------------------------------
+_ADAPTER_PART = f".{ADAPTER}."
+
+
+def peft_name(param_name: str) -> str:
+    """PEFT's file name of an adapter parameter: ``...q_proj.lora_A.default.weight`` ->
+    ``...q_proj.lora_A.weight`` (the adapter's name dropped, as in ``get_peft_model_state_dict``)."""
+    for part in (".lora_A", ".lora_B"):
+        param_name = param_name.replace(f"{part}{_ADAPTER_PART}", f"{part}.")
+    return param_name
+
+
+def adapter_param_name(name: str) -> str:
+    """The inverse of :func:`peft_name`: the parameter that holds a pushed adapter tensor."""
+    for part in (".lora_A.", ".lora_B."):
+        if name.endswith(f"{part}weight") and _ADAPTER_PART not in name:
+            return name[: -len("weight")] + f"{ADAPTER}.weight"
+    raise ValueError(f"{name[:200]!r} is not a LoRA adapter tensor (names end in .lora_A.weight or .lora_B.weight)")
+
+
+def is_adapter_name(name: str) -> bool:
+    return name.endswith((".lora_A.weight", ".lora_B.weight")) and _ADAPTER_PART not in name
+
+
+def adapter_named_weights(model: nn.Module, rename: Callable[[str], str] = lambda n: n) -> list[tuple[str, Tensor]]:
+    """``(peft_name, parameter)`` of every ``lora_A`` / ``lora_B`` of ``model``, in the order of
+    ``named_parameters`` (the same on every rank: sharded reads are collectives)."""
+    return [(peft_name(rename(name)), p) for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+
+
+def base_named_weights(model: nn.Module, rename: Callable[[str], str] = lambda n: n) -> list[tuple[str, Tensor]]:
+    """The frozen base model's weights under its own names (adapters left out, not merged):
+    what an adapter-serving engine loads once, at start."""
+    out = []
+    for name, param in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        out.append((rename(name.replace(".base_layer.", ".")), param))
+    return out
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def write_adapter_folder(pairs, folder: Union[str, Path], lora: LoRA, base_model_name_or_path: Optional[str] = None) -> Path:
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) from
+    ``(peft_name, tensor)`` pairs, as ``save_adapter`` writes it: what vLLM's ``LoRARequest``
+    and ``PeftModel.from_pretrained`` read."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in pairs:
+        if not is_adapter_name(name):
+            raise ValueError(f"{name[:200]!r} is not a LoRA adapter tensor (names end in .lora_A.weight or .lora_B.weight)")
+        state[f"base_model.model.{name}"] = tensor.detach().to("cpu").contiguous()
+    if not state:
+        raise ValueError("no adapter tensors to write: an adapter push carries lora_A / lora_B tensors")
+    save_file(state, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    # the modules named, not ``all-linear``: a reader that is not peft (vLLM) need not expand it
+    targets = sorted({name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name in state})
+    dataclasses.replace(lora, target_modules=targets).peft_config(base_model_name_or_path).save_pretrained(folder)
+    return folder
 
 
 def save_adapter(model: nn.Module, folder: Union[str, Path], base_model_name_or_path: str, lora: LoRA) -> Path:

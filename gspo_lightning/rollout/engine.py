@@ -22,10 +22,13 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from gspo_lightning.models.lora import LoRA
 
 WeightsIterator = Iterable[tuple[str, Tensor]]  # weights in flight: (name, tensor) pairs, walked once
 # the policy's weights, gathered when called: only when a push is due (gathering sharded weights
@@ -118,6 +121,9 @@ class EngineSpec:
     policy: Optional[nn.Module] = field(default=None, repr=False, compare=False)
     tokenizer: Any = field(default=None, repr=False, compare=False)
     lockstep: Optional[Callable[[bool], bool]] = field(default=None, repr=False, compare=False)
+    # the policy's LoRA config (rank, alpha, target modules) when it trains adapters: an engine
+    # that serves adapters (``weights_format == "adapter"``) builds its adapter slots from it
+    lora: Optional["LoRA"] = None
 
     @property
     def max_model_len(self) -> Optional[int]:
@@ -130,6 +136,10 @@ class RolloutEngine(ABC):
 
     #: True when the engine samples from the training model itself: weights need no push
     shares_policy_weights: bool = False
+    #: what :meth:`update_weights` takes, decided at :meth:`start`: ``full`` (every weight under
+    #: the base model's names; a LoRA policy's merged) or ``adapter`` (a LoRA policy's
+    #: ``lora_A`` / ``lora_B`` alone, PEFT names: ``weight_sync.iter_adapter_weights``)
+    weights_format: str = "full"
 
     def __init__(self) -> None:
         self.weights_version = -1  # the policy version whose weights the engine holds

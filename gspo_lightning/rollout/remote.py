@@ -53,8 +53,8 @@ from gspo_lightning.rollout.replies import check_generation_reply, check_weights
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.auth import SECRET_ENV, bearer, read_secret
 from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, fingerprint
-from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport
-from gspo_lightning.rollout.weight_sync import engine_named_shapes
+from gspo_lightning.rollout.transport import FolderTransport, Manifest, WeightTransport, checksum_of
+from gspo_lightning.rollout.weight_sync import engine_named_shapes, iter_base_weights
 
 START_HINT = ("start one with `gspo serve --config <your config> --port <port>` (on another machine with "
               f"{SECRET_ENV} set on both sides: docs/scaling.md#security), or set model.engine.init_args.urls: null "
@@ -150,6 +150,11 @@ class RemoteEngine(RolloutEngine):
             started server gets a fresh one when neither is set). Never put the secret itself
             in a config: configs are saved to the run folder.
         max_reply_mb: largest reply read from a server; a larger one stops the run.
+        lora_sync: with a LoRA policy, what a push carries: ``adapter`` (the ``lora_A`` /
+            ``lora_B`` tensors alone; the servers load the base once, at start, and apply the
+            adapters: an HF engine attaches LoRA to its model, vLLM serves a ``LoRARequest``)
+            or ``merged`` (the whole merged model under the base's names, every push).
+            ``null``: ``adapter`` for a LoRA policy (pushes ~1/30 of the model's bytes).
     """
 
     shares_policy_weights = False
@@ -168,8 +173,15 @@ class RemoteEngine(RolloutEngine):
         lease_s: float = 120.0,
         token_file: Optional[str] = None,
         max_reply_mb: float = 1024.0,
+        lora_sync: Optional[str] = None,
     ):
         super().__init__()
+        if lora_sync not in (None, "adapter", "merged"):
+            raise ValueError(f"RemoteEngine lora_sync must be adapter, merged or null (adapter for a LoRA policy), "
+                             f"got {lora_sync!r}")
+        self.lora_sync = lora_sync
+        self.adapters: Optional[dict] = None  # the LoRA config the servers serve, in adapter format
+        self.base_checksum: Optional[str] = None  # of the policy's frozen base, in adapter format
         for url in urls or []:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"RemoteEngine urls must look like http://host:port, got {url!r}")
@@ -215,6 +227,14 @@ class RemoteEngine(RolloutEngine):
         if spec.policy is None:
             raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
         self.vocab_size = output_rows(spec.policy)
+        if self.lora_sync == "adapter" and spec.lora is None:
+            raise ValueError("RemoteEngine lora_sync: adapter needs a LoRA policy (model.lora); remove lora_sync or set model.lora")
+        adapter = spec.lora is not None and self.lora_sync != "merged"
+        self.weights_format = "adapter" if adapter else "full"
+        self.adapters = spec.lora.serving_config() if adapter else None
+        # the server applies adapters to the base it loaded itself: it must be this policy's
+        # (every rank computes it: gathering a sharded base is a collective)
+        self.base_checksum = checksum_of(iter_base_weights(spec.policy)) if adapter else None
         self.identity = {
             "fingerprint": fingerprint(engine_named_shapes(spec.policy), spec.policy.config.to_dict()),
             "eos_token_ids": sorted(spec.eos_token_ids), "pad_token_id": spec.pad_token_id,
@@ -250,7 +270,7 @@ class RemoteEngine(RolloutEngine):
         return ServerSpec(
             model_name_or_path=spec.model_name_or_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code,
             prompt_length=spec.prompt_length, response_length=spec.response_length, seed=spec.seed,
-            engine=self.server_engine or dict(DEFAULT_ENGINE),
+            engine=self.server_engine or dict(DEFAULT_ENGINE), lora=self.adapters,
         )
 
     def _make_group(self) -> None:
@@ -289,6 +309,17 @@ class RemoteEngine(RolloutEngine):
                 raise RolloutServerError(
                     f"the rollout server at {url} serves another model ({info.get('model')}, {key} {info.get(key)}) "
                     f"than this run trains ({mine['model']}, {key} {mine[key]}): start it with this run's config")
+        if (info.get("adapters") or None) != self.adapters:
+            raise RolloutServerError(
+                f"the rollout server at {url} serves LoRA adapters {info.get('adapters')}, this run pushes "
+                f"{self.adapters or 'full (merged) weights'}: start it with this run's config (model.lora), or set "
+                "model.engine.init_args.lora_sync: merged")
+        if self.adapters is not None and info.get("base_checksum") != self.base_checksum:
+            raise RolloutServerError(
+                f"the rollout server at {url} loaded another base model than this run's policy has (checksum "
+                f"{str(info.get('base_checksum'))[:12]}, the policy's {self.base_checksum[:12]}; a builtin: model drawn "
+                "from another random state?): adapters pushed alone would apply to the wrong weights. Start it on the "
+                "same model files and dtype, or set model.engine.init_args.lora_sync: merged")
 
     def _hold(self, url: str) -> None:
         try:

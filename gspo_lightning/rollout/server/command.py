@@ -37,7 +37,23 @@ def spec_from_config(config: dict) -> "ServerSpec":
         trust_remote_code=bool(model.get("trust_remote_code", False)), prompt_length=data.get("prompt_length"),
         response_length=int(model.get("response_length", 256)),
         seed=int(seed if seed is not None else (config.get("seed_everything") or 0)), engine=engine,
+        lora=served_adapters(model),
     )
+
+
+def served_adapters(model: dict) -> Optional[dict]:
+    """The LoRA config a trainer with ``model`` pushes adapters of (``LoRA.serving_config()``),
+    or None when it pushes full weights (no ``model.lora``, or ``lora_sync: merged``)."""
+    lora = model.get("lora")
+    if not lora:
+        return None
+    engine = model.get("engine") or {}
+    if str(engine.get("class_path", "")).endswith("RemoteEngine") and \
+            (engine.get("init_args") or {}).get("lora_sync") == "merged":
+        return None
+    from gspo_lightning.models.lora import LoRA
+
+    return LoRA(**lora).serving_config()
 
 
 def weights_root_from_config(config: dict) -> Optional[str]:
@@ -164,4 +180,4 @@ if __name__ == "__main__":
     main(sys.argv[1:])
 
 
-__all__ = ["main", "spec_from_config", "spec_json", "weights_root_from_config"]
+__all__ = ["main", "served_adapters", "spec_from_config", "spec_json", "weights_root_from_config"]

@@ -40,6 +40,16 @@ class ServerSpec:
     response_length: int = 256
     seed: int = 0
     engine: dict = field(default_factory=lambda: dict(DEFAULT_ENGINE))
+    # the trainer's LoRA config (``LoRA.serving_config()``: rank, alpha, target_modules) when it
+    # pushes adapters alone; None: pushes are full weights under the base model's names
+    lora: Optional[dict] = None
+
+
+def _adapter_param_name(name: str) -> str:
+    """The parameter a pushed adapter tensor goes to; a clear 400 for any other name."""
+    from gspo_lightning.models.lora import adapter_param_name
+
+    return adapter_param_name(name)
 
 
 class VersionError(RuntimeError):
@@ -115,6 +125,7 @@ class RolloutServer:
         self.checksum: Optional[str] = None
         self.condition = threading.Condition()  # held by a generation or a weight load
         self.identity: dict[str, Any] = {}
+        self._param_name = lambda name: name  # pushed name -> the held model's parameter (start() sets it)
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,9 +142,21 @@ class RolloutServer:
         model.config.use_cache = False
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         eos = eos_token_ids(model, tokenizer)
+        fingerprint_ = model_fingerprint(model)  # of the base: what the trainer's LoRA policy reports too
+        lora, base_checksum = None, None
+        if spec.lora is not None:
+            from gspo_lightning.models.lora import LoRA, attach_lora
+            from gspo_lightning.rollout.transport import checksum_of
+
+            lora = LoRA(**spec.lora)
+            # adapters apply to the base this server loaded: the trainer checks it holds the same one
+            base_checksum = checksum_of((name, p.detach()) for name, p in model.named_parameters())
+            if self.engine.shares_policy_weights:  # the engine samples from this model: pushes land in its adapters
+                model = attach_lora(model, lora)
+        self._param_name = _adapter_param_name if lora is not None else (lambda name: name)
         self.identity = {
             "model": spec.model_name_or_path, "architecture": type(model).__name__,
-            "fingerprint": model_fingerprint(model),
+            "fingerprint": fingerprint_, "adapters": spec.lora, "base_checksum": base_checksum,
             "eos_token_ids": sorted(eos), "pad_token_id": tokenizer.pad_token_id, "dtype": spec.dtype,
             "engine": f"{type(self.engine).__module__}.{type(self.engine).__qualname__}",
             "max_new_tokens": self.limits.max_new_tokens or spec.response_length,
@@ -142,8 +165,12 @@ class RolloutServer:
             model_name_or_path=spec.model_name_or_path, dtype=spec.dtype, prompt_length=spec.prompt_length,
             response_length=spec.response_length, seed=spec.seed, eos_token_ids=eos,
             pad_token_id=tokenizer.pad_token_id, trust_remote_code=spec.trust_remote_code,
-            policy=model, tokenizer=tokenizer,
+            policy=model, tokenizer=tokenizer, lora=lora,
         ))
+        if lora is not None and not self.engine.shares_policy_weights and self.engine.weights_format != "adapter":
+            raise ValueError(f"the server engine {self.identity['engine']} does not serve LoRA adapters, and the trainer "
+                             "pushes them (spec.lora): host an engine that does (HFEngine, VLLMEngine) or have the trainer "
+                             "push merged weights (model.engine.init_args.lora_sync: merged)")
         # the model the engine samples from, to read its weights back after a load (HF engines);
         # None for engines that keep their own (vLLM): their checksum is of what they received
         held = getattr(self.engine, "model", None)
@@ -202,7 +229,7 @@ class RolloutServer:
         params = dict(self.held_model.named_parameters())
         with torch.no_grad():
             for name, tensor in pairs:
-                target = params.get(name)
+                target = params.get(self._param_name(name))
                 if target is None or target.shape != tensor.shape:
                     raise ValueError(f"pushed weight {name!r} {tuple(tensor.shape)} does not fit this server's model "
                                      f"{self.spec.model_name_or_path} ({'missing' if target is None else tuple(target.shape)})")
@@ -213,12 +240,13 @@ class RolloutServer:
         dtypes that were sent (else ``None``: the checksum of what was received stands)."""
         if self.held_model is None:
             return None
-        params = dict(self.held_model.named_parameters())
-        if any(name not in params or params[name].dtype != dtypes[name] for name in names):
+        params = {name: p for name, p in self.held_model.named_parameters()}
+        held = {name: params.get(self._param_name(name)) for name in names}
+        if any(held[name] is None or held[name].dtype != dtypes[name] for name in names):
             return None
         total = WeightsChecksum()
         for name in names:
-            total.update(name, params[name])
+            total.update(name, held[name])
         return total.hexdigest()
 
     # -- generation ----------------------------------------------------------------------
