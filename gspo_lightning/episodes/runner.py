@@ -146,13 +146,6 @@ class MultiTurn:
         self.renderer_options = dict(system_prompt_for_tools=system_prompt_for_tools, end_of_turn=end_of_turn,
                                      template_kwargs=template_kwargs)
 
-    def check_objective(self, importance_sampling: str, adv_estimator: str) -> None:
-        """Per-turn advantages need token-level advantages in the loss."""
-        if self.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
-            raise ValueError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
-                             f"seq-token (GSPO-token) or token, and adv_estimator: grpo (got {importance_sampling}, "
-                             f"{adv_estimator})")
-
     def advantages(self, rewards: torch.Tensor, turn_rewards: list[list[float]], turn_of_token: torch.Tensor,
                    group_size: int, scored: Optional[torch.Tensor]) -> torch.Tensor:
         """GSPO-token's per-turn advantages (``turn_advantages``): ``rewards`` are the episodes'
@@ -295,9 +288,20 @@ class MultiTurn:
         )
 
 
+def check_episode_objective(episodes: Optional[MultiTurn], importance_sampling: str, adv_estimator: str
+                            ) -> Optional[MultiTurn]:
+    """``episodes``, checked against the objective: per-turn advantages need token-level
+    advantages in the loss."""
+    if episodes is not None and episodes.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
+        raise ValueError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
+                         f"seq-token (GSPO-token) or token, and adv_estimator: grpo (got {importance_sampling}, "
+                         f"{adv_estimator})")
+    return episodes
+
+
 def hash_seed(seed: int, turn: int) -> int:
     """A seed per turn, apart from the first turn's (which is the rollout's own seed)."""
     return (seed * 1_000_003 + turn * 7919) % (2**31 - 1)
 
 
-__all__ = ["ENDINGS", "Episode", "EpisodeBatch", "MultiTurn", "as_messages"]
+__all__ = ["ENDINGS", "Episode", "EpisodeBatch", "MultiTurn", "as_messages", "check_episode_objective"]

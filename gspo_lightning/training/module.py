@@ -33,7 +33,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
-from gspo_lightning.episodes.runner import MultiTurn
+from gspo_lightning.episodes.runner import MultiTurn, check_episode_objective
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
@@ -50,7 +50,7 @@ from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine,
 from gspo_lightning.rollout.pipeline import StaleRollouts
 from gspo_lightning.rollout.sampling import step_seed
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
-from gspo_lightning.rollout.weight_sync import iter_adapter_weights, iter_policy_weights
+from gspo_lightning.rollout.weight_sync import engine_weights
 from gspo_lightning.run.phases import PHASES
 from gspo_lightning.run.results import append_eval_record, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
@@ -274,9 +274,7 @@ class GSPOModule(L.LightningModule):
             eval_group_size=val_num_samples,
             episodes=episodes,
         )
-        self.episodes = episodes
-        if episodes is not None:
-            episodes.check_objective(importance_sampling, adv_estimator)
+        self.episodes = check_episode_objective(episodes, importance_sampling, adv_estimator)
         self.policy = None
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
@@ -363,7 +361,7 @@ class GSPOModule(L.LightningModule):
         hp = self.hparams
         root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
         source = rollout_source(
-            self.worker, lambda: self._engine_weights(root), self.device, self.sampling_seed,
+            self.worker, lambda: engine_weights(self.policy, self.worker.engine.weights_format, root), self.device, self.sampling_seed,
             max_staleness=max_staleness, stale_rollouts=hp.stale_rollouts, datamodule=self.trainer.datamodule,
             dynamic_sampling_rounds=hp.max_sampling_rounds if fit and hp.dynamic_sampling else None,
             sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
@@ -373,13 +371,6 @@ class GSPOModule(L.LightningModule):
             source.load_state_dict(self._pending_rollouts, self.device)
             self._pending_rollouts = None
         return source
-
-    def _engine_weights(self, root):
-        """What the engine loads: the LoRA adapters alone when it serves them (``weights_format``
-        ``adapter``, decided at its start), else the full (for LoRA: merged) weights."""
-        if self.worker.engine.weights_format == "adapter":
-            return iter_adapter_weights(self.policy)
-        return iter_policy_weights(self.policy, root=root)
 
     def teardown(self, stage: str) -> None:
         if self.rollouts is not None:  # the producer first: it may be using the engine
