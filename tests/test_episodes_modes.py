@@ -208,12 +208,12 @@ def test_a_rollout_server_serves_episodes_from_token_ids_without_a_gap(tmp_path,
         assert row["engine/logprob_abs_diff"] < 1e-5, row["engine/logprob_abs_diff"]
         assert all(key in row for key in EPISODE_KEYS)
     assert any(row["episode/turns"] > 1 for row in rows)
-    # first turns: the 4-token prompts, training's as whole groups (n = G); later turns: one live
-    # episode each (n = 1), its ids holding the tool's reply
+    # first turns: the 3-token prompts (user: find c), training's as whole groups (n = G); later
+    # turns: one live episode each (n = 1), its ids holding the tool's reply
     prompts = [(p, n) for batch, n in requests for p in batch]
-    later = [(p, n) for p, n in prompts if len(p) > 4]
-    assert any(n == 4 and len(p) == 4 for p, n in prompts) and later
-    assert all(n == 1 and TOOL in p[4:] for p, n in later)
+    later = [(p, n) for p, n in prompts if len(p) > 3]
+    assert any(n == 4 and len(p) == 3 for p, n in prompts) and later
+    assert all(n == 1 and TOOL in p[3:] for p, n in later)
     assert all(isinstance(t, int) for prompts, _ in requests for p in prompts for t in p)
 
 
@@ -260,7 +260,6 @@ def test_select_groups_keeps_environment_tokens_attended_and_out_of_the_response
     from gspo_lightning.rollout.dynamic_sampling import select_groups
     from tests.test_episodes import (
         ANSWER,
-        ASSISTANT,
         CALL,
         DIGIT,
         EOS,
@@ -272,20 +271,20 @@ def test_select_groups_keeps_environment_tokens_attended_and_out_of_the_response
     )
 
     single = episode_rollout([[GUESS, GUESS]], [0.0, 0.0], "s")  # one turn each: 2 tokens wide
-    multi = episode_rollout([[CALL, GUESS], [ANSWER]], [1.0, 0.0], "m")  # call, reply, answer: 8 wide
+    multi = episode_rollout([[CALL, GUESS], [ANSWER]], [1.0, 0.0], "m")  # call, reply, answer: 7 wide
     merged = select_groups([single, multi], [(1, 0), (0, 0)], PAD)
     p = merged.prompt_width
-    episode = [GET, KEY["c"], EOS, TOOL, DIGIT[3], ASSISTANT, DIGIT[3], EOS]
+    episode = [GET, KEY["c"], EOS, TOOL, DIGIT[3], DIGIT[3], EOS]
     assert merged.input_ids[0, p:].tolist() == episode
-    # the tool's reply (positions 3..5) is attended to but trains nothing
-    assert merged.attention_mask[0, p:].tolist() == [1] * 8
-    assert merged.response_mask[0].tolist() == [True, True, True, False, False, False, True, True]
-    assert merged.turn_of_token[0].tolist() == [0, 0, 0, -1, -1, -1, 1, 1]
-    assert merged.engine_logprobs[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0, 0, 0, -0.4, -0.5])
+    # the tool's reply (positions 3..4) is attended to but trains nothing
+    assert merged.attention_mask[0, p:].tolist() == [1] * 7
+    assert merged.response_mask[0].tolist() == [True, True, True, False, False, True, True]
+    assert merged.turn_of_token[0].tolist() == [0, 0, 0, -1, -1, 1, 1]
+    assert merged.engine_logprobs[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0, 0, -0.4, -0.5])
     # the narrower round is padded: neither attended nor trained, turn -1
-    assert merged.attention_mask[2, p:].tolist() == [1, 1] + [0] * 6
-    assert merged.response_mask[2].tolist() == [True, True] + [False] * 6
-    assert merged.turn_of_token[2].tolist() == [0, 0] + [-1] * 6
+    assert merged.attention_mask[2, p:].tolist() == [1, 1] + [0] * 5
+    assert merged.response_mask[2].tolist() == [True, True] + [False] * 5
+    assert merged.turn_of_token[2].tolist() == [0, 0] + [-1] * 5
     assert merged.turn_rewards == [[0.0, 0.0], [0.0], [0.0], [0.0]]
     assert merged.lengths.tolist() == [5, 2, 2, 2]  # the model's own tokens
     assert merged.episode_stats["episode/turns"] == pytest.approx((1.5 + 1.0) / 2)  # each round's mean, averaged
@@ -303,7 +302,7 @@ def test_the_environment_token_fraction_is_the_kept_rows_tokens():
     metrics = StepMetrics()
     record_rollout(metrics, merged, torch.zeros_like(merged.engine_logprobs))
     values = metrics.compute()
-    assert values["episode/environment_token_frac"] == pytest.approx(3 / (8 + 2 + 2 + 2))  # one 3-token reply
+    assert values["episode/environment_token_frac"] == pytest.approx(2 / (7 + 2 + 2 + 2))  # one 2-token reply
     assert values["episode/turns"] == pytest.approx(1.25)
 
 
