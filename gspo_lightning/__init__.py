@@ -8,6 +8,7 @@ The package by concern (docs/architecture.md has the map):
 - ``data/``: the DataModule, built-in tasks and datasets
 - ``rollout/``: engines, weight transports, the rollout server, the asynchronous pipeline
 - ``rewards/``: reward functions in TRL's convention
+- ``episodes/``: multi-turn episodes' parts: tools, tool-call parsers, environments, the chat renderer
 - ``run/``: the run around training: the command, loggers, progress, plots, preemption, export
 """
 

@@ -1,6 +1,8 @@
 """One optimizer step on 2 CPU ranks (gloo) equals 1 rank on the same global batch:
 same updated weights, same logged metrics, for DDP and FSDP2 (ModelParallelStrategy)."""
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,17 +14,27 @@ sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from worker import CASES  # noqa: E402
 
 WORKER = Path(__file__).parent / "distributed" / "worker.py"
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def launch(out_dir: Path, ranks: int, strategy: str) -> dict:
+def launch(out_dir: Path, ranks: int, strategy: str, cases: tuple[str, ...] = tuple(CASES), timeout: float = 600) -> dict:
     """Every case in one launch (process start-up dominates), one result file per case."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(WORKER), "--strategy", strategy, "--out_dir", str(out_dir)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {case: torch.load(out_dir / f"{case}.pt") for case in CASES}
+           str(WORKER), "--strategy", strategy, "--out_dir", str(out_dir), "--cases", *cases]
+    # the package and tests of this checkout, not an installed copy's (the worker runs as a script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # a session of its own: a hung launch is ended with its ranks, not only torchrun
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError(f"{ranks} ranks ({strategy}, {list(cases)}) did not finish in {timeout:.0f} s: a rank waits in a collective")
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return {case: torch.load(out_dir / f"{case}.pt") for case in cases}
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +59,15 @@ def test_two_ranks_equal_one_rank(tmp_path, single, strategy):
         assert set(one["metrics"]) - skip == set(two["metrics"]) - skip, case
         for key in set(one["metrics"]) - skip:
             assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-6), f"{case}: {key}"
+        if case == "episodes":  # the episodes' counts and token fraction are the whole batch's on every layout
+            assert one["metrics"]["episode/turns"] > 1 and one["metrics"]["episode/environment_token_frac"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ranks_whose_episodes_take_different_numbers_of_turns(tmp_path, strategy):
+    """Rank 0's episodes go on for 3 turns, rank 1's end after one. DDP: each rank samples its own
+    turns (3 and 1 generate calls). FSDP2 with an engine that gathers the sharded weights in every
+    generate (HFEngine's way), a collective: rank 1 takes stand-in turns so both make 3 calls, where
+    it would otherwise leave rank 0 waiting in the gather for ever (hence the short timeout)."""
+    calls = launch(tmp_path, 2, strategy, ("episodes-uneven",), timeout=240)["episodes-uneven"]["calls"]
+    assert calls == {"ddp": [3, 1], "fsdp2": [3, 3]}[strategy]

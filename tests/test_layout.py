@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gspo_lightning"
-FOLDERS = ["objective", "training", "models", "data", "rollout", "rollout.server", "run", "rewards"]
+FOLDERS = ["objective", "training", "models", "data", "episodes", "rollout", "rollout.server", "run", "rewards"]
 
 
 @pytest.mark.parametrize("folder", FOLDERS)

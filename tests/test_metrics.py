@@ -14,6 +14,7 @@ def fake_rollout(rewards, scored, group_size):
         rewards=torch.tensor(rewards), scored=None if scored is None else torch.tensor(scored),
         group_size=group_size, reward_components={}, lengths=torch.full((n,), 3),
         truncated=torch.zeros(n, dtype=torch.bool), response_mask=torch.ones(n, 3, dtype=torch.bool), reward_errors=0,
+        turn_of_token=None, episode_stats={},  # no episodes
     )
 
 

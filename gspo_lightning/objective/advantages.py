@@ -294,3 +294,39 @@ def rewards_to_advantages(
         advantages = whiten(advantages, mask, eps=eps, reduce_sum=reduce_sum)
     advantages = clip_advantages(advantages, advantage_clip)
     return scores, advantages
+
+
+def episode_returns(outcome: Tensor, turn_rewards: list[list[float]], discount: float = 1.0) -> list[list[float]]:
+    """The return from each turn of each episode: the environment's rewards of that turn and the
+    later ones, then the episode's outcome (the reward functions' score) after its last turn,
+    each discounted by ``discount`` per turn: ``G[k] = sum_{j >= k} d^(j-k) r[j] + d^(K-1-k) R``."""
+    returns = []
+    for final, rewards in zip(outcome.tolist(), turn_rewards):
+        to_go, out = final, []
+        for reward in reversed(rewards or [0.0]):
+            to_go = reward + (to_go if not out else discount * to_go)
+            out.append(to_go)
+        returns.append(out[::-1])
+    return returns
+
+
+def turn_advantages(outcome: Tensor, turn_rewards: list[list[float]], turn_of_token: Tensor, group_size: int, *,
+                    discount: float = 1.0, scale: bool = True, scored: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
+    """GSPO-token's per-turn advantages for episodes: ``(B, T)``, 0 off the model's tokens.
+
+    Each model token gets its turn's return ``G[i, k]`` (:func:`episode_returns`) minus the mean
+    of its group's episode returns ``G[., 0]``, divided by their std when ``scale`` (GRPO's
+    normalization, with the group as baseline). With no turn rewards and ``discount`` 1 every
+    turn's return is the episode's reward, and this is the sequence-level GRPO advantage."""
+    returns = episode_returns(outcome, turn_rewards, discount)
+    first = torch.tensor([r[0] for r in returns], dtype=torch.float32, device=outcome.device)
+    mean, std = group_mean_std(first, group_size, scored)
+    width = turn_of_token.shape[1]
+    table = torch.zeros((len(returns), max(len(r) for r in returns)), dtype=torch.float32, device=outcome.device)
+    for row, values in enumerate(returns):
+        table[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    per_token = table.gather(1, turn_of_token.clamp(min=0).clamp(max=table.shape[1] - 1)[:, :width])
+    advantages = (per_token - mean[:, None]) / ((std[:, None] + eps) if scale else 1.0)
+    if scored is not None:
+        advantages = advantages * scored[:, None].to(advantages.dtype)
+    return torch.where(turn_of_token >= 0, advantages, torch.zeros_like(advantages))

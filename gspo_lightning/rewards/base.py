@@ -8,7 +8,8 @@ A reward function follows TRL's convention exactly: it is called with keyword ar
 
 ``prompts`` holds one prompt per completion: its text, or for a conversational dataset
 its list of chat messages; then each completion is ``[{"role": "assistant", "content":
-text}]`` instead of the text. ``completion_ids`` are the completion's token ids;
+text}]`` instead of the text (a multi-turn episode: every message after the prompt, the
+assistant's turns and the environment's replies, in order). ``completion_ids`` are the completion's token ids;
 ``columns`` holds every other dataset column, one entry per completion, plus
 ``completion_lengths`` (tokens per completion). A score of ``None`` means "no score for
 this sample": the weighted sum skips it, and a sample no function scored is marked
@@ -159,7 +160,7 @@ class RewardComposer:
         self,
         *,
         prompts: list,
-        completions: list[str],
+        completions: list,
         completion_ids: Optional[list[list[int]]] = None,
         columns: Optional[dict[str, list]] = None,
     ) -> tuple[list[float], dict[str, list[float]], list[bool]]:
@@ -181,7 +182,9 @@ class RewardComposer:
         for name, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
             if values is not None and len(values) != n:
                 raise ValueError(f"reward inputs disagree: {len(values)} {name} for {n} completions")
-        if n and is_conversational(prompts[0]):
+        if n and is_conversational(completions[0]):  # episodes: the messages after the prompt, as they are
+            passed = list(completions)
+        elif n and is_conversational(prompts[0]):
             passed = [[{"role": "assistant", "content": text}] for text in completions]
         else:
             passed = list(completions)

@@ -52,10 +52,12 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
     with_behaviour = all(r.behaviour_trainer_logprobs is not None for r in rollouts)
     prompt_width = max(rollouts[i].prompt_width for i, _ in picks)
     response_width = max(rollouts[i].response_mask.shape[1] for i, _ in picks)
-    parts: dict[str, list] = {k: [] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                                             "engine_logprobs", "behaviour", "rewards", "truncated", "scored")}
+    parts: dict[str, list] = {k: [] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_attention",
+                                             "response_mask", "engine_logprobs", "behaviour", "rewards", "truncated",
+                                             "scored", "turn_of_token")}
+    episodes = first.turn_of_token is not None
     components: dict[str, list[Tensor]] = {k: [] for k in first.reward_components}
-    prompts, completions = [], []
+    prompts, completions, turn_rewards = [], [], []
     for index, group in picks:
         r = rollouts[index]
         rows = slice(group * g, (group + 1) * g)
@@ -63,7 +65,11 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
         parts["prompt_ids"].append(_pad_to(r.input_ids[rows, :p], prompt_width, pad_token_id, left=True))
         parts["prompt_mask"].append(_pad_to(r.attention_mask[rows, :p], prompt_width, 0, left=True))
         parts["response_ids"].append(_pad_to(r.input_ids[rows, p:], response_width, pad_token_id, left=False))
+        # an episode attends to the environment's tokens, which are not in its response_mask
+        parts["response_attention"].append(_pad_to(r.attention_mask[rows, p:], response_width, 0, left=False))
         parts["response_mask"].append(_pad_to(r.response_mask[rows], response_width, False, left=False))
+        if episodes:
+            parts["turn_of_token"].append(_pad_to(r.turn_of_token[rows], response_width, -1, left=False))
         parts["engine_logprobs"].append(_pad_to(r.engine_logprobs[rows], response_width, 0.0, left=False))
         if with_behaviour:
             parts["behaviour"].append(_pad_to(r.behaviour_trainer_logprobs[rows], response_width, 0.0, left=False))
@@ -74,6 +80,8 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
             components[name].append(r.reward_components[name][rows])
         prompts += r.prompts[rows]
         completions += r.completions[rows]
+        if episodes:
+            turn_rewards += r.turn_rewards[rows]
     response_mask = torch.cat(parts["response_mask"])
     timings: dict[str, float] = {}
     for r in rollouts:  # every round's work counts in the step's phases
@@ -82,7 +90,7 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
     return replace(
         first,
         input_ids=torch.cat([torch.cat(parts["prompt_ids"]), torch.cat(parts["response_ids"])], dim=1),
-        attention_mask=torch.cat([torch.cat(parts["prompt_mask"]), response_mask.to(first.attention_mask.dtype)], dim=1),
+        attention_mask=torch.cat([torch.cat(parts["prompt_mask"]), torch.cat(parts["response_attention"])], dim=1),
         prompt_width=prompt_width,
         response_mask=response_mask,
         engine_logprobs=torch.cat(parts["engine_logprobs"]),
@@ -95,7 +103,16 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
         scored=torch.cat(parts["scored"]) if any(r.scored is not None for r in rollouts) else None,
         timings=timings,
         reward_errors=sum(r.reward_errors for r in rollouts),
+        turn_of_token=torch.cat(parts["turn_of_token"]) if episodes else None,
+        turn_rewards=turn_rewards if episodes else None,
+        episode_stats=_mean_stats([r.episode_stats for r in rollouts]),
     )
+
+
+def _mean_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """The episodes' counts over every round of the step (each round's mean, averaged)."""
+    names = {name for s in stats for name in s}
+    return {name: sum(s.get(name, 0.0) for s in stats) / len(stats) for name in sorted(names)}
 
 
 class DynamicSampler:

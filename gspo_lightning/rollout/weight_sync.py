@@ -238,6 +238,14 @@ def _plain_or_dtensor(policy: nn.Module, what: str) -> None:
                                   "or FSDP2 (ModelParallelStrategy)")
 
 
+def engine_weights(policy: nn.Module, weights_format: str, root: Optional[nn.Module] = None) -> Iterator[tuple[str, Tensor]]:
+    """What an engine loads: the LoRA adapters alone when it serves them (``weights_format``
+    ``adapter``, decided at its start), else the full (for LoRA: merged) weights."""
+    if weights_format == "adapter":
+        return iter_adapter_weights(policy)
+    return iter_policy_weights(policy, root=root)
+
+
 def iter_adapter_weights(policy: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """A LoRA policy's adapters alone, ``(peft_name, tensor)`` (``...q_proj.lora_A.weight``):
     what an engine in ``adapter`` format receives instead of the merged model. FSDP2 shards

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from gspo_lightning.episodes.runner import MultiTurn
 from gspo_lightning.rewards.base import RewardComposer
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, WeightsSource
 from gspo_lightning.rollout.hf import left_pad
@@ -47,6 +48,12 @@ class Rollout:
     # the trainer's log-probs at the weights that sampled (o_b), when the producer kept them
     # (an asynchronous producer with a float32 copy): the clip budget's numerics / staleness split
     behaviour_trainer_logprobs: Optional[Tensor] = None
+    # multi-turn episodes only: the turn of each model token (-1 on the environment's tokens, which
+    # are in attention_mask but not in response_mask), the environment's reward after each turn,
+    # and the episodes' counts (turns, tool calls, endings) for the step's metrics
+    turn_of_token: Optional[Tensor] = None
+    turn_rewards: Optional[list[list[float]]] = None
+    episode_stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_responses(self) -> int:
@@ -54,6 +61,7 @@ class Rollout:
 
     @property
     def lengths(self) -> Tensor:
+        """The model's own tokens per response (an episode's environment tokens not counted)."""
         return self.response_mask.sum(-1)
 
 
@@ -63,15 +71,20 @@ def build_rollout_tensors(
     group_size: int,
     pad_token_id: int,
     device: torch.device,
+    loss_mask: Optional[Tensor] = None,
 ) -> dict[str, Any]:
-    """Tensors of a rollout from prompts and an engine's generation."""
+    """Tensors of a rollout from prompts and an engine's generation.
+
+    ``loss_mask`` (episodes): the model's own tokens among the generation's; the others (the
+    environment's) are attended to but get no loss, KL, entropy or length."""
     expanded = [p for p in prompt_ids for _ in range(group_size)]
     prompt_tensor, prompt_mask = left_pad(expanded, pad_token_id, device)
-    response_mask = generation.mask.to(device)
-    completion_ids = generation.completion_ids.to(device).masked_fill(~response_mask, pad_token_id)
+    in_sequence = generation.mask.to(device)
+    response_mask = in_sequence if loss_mask is None else loss_mask.to(device) & in_sequence
+    completion_ids = generation.completion_ids.to(device).masked_fill(~in_sequence, pad_token_id)
     return {
         "input_ids": torch.cat([prompt_tensor, completion_ids], dim=1),
-        "attention_mask": torch.cat([prompt_mask, response_mask.long()], dim=1),
+        "attention_mask": torch.cat([prompt_mask, in_sequence.long()], dim=1),
         "prompt_width": prompt_tensor.shape[1],
         "response_mask": response_mask,
         "engine_logprobs": generation.logprobs.to(device=device, dtype=torch.float32).masked_fill(~response_mask, 0.0),
@@ -90,6 +103,7 @@ class RolloutWorker:
         eval_params / eval_group_size: sampling of validation and test rollouts.
         transport: how weights reach the engine (in this process by default: every engine the
             worker drives lives here; a rollout server's client engine has its own transport).
+        episodes: multi-turn episodes with an environment (``None``: one completion per sample).
     """
 
     def __init__(
@@ -103,8 +117,10 @@ class RolloutWorker:
         eval_params: SamplingParams,
         eval_group_size: int,
         transport: Optional[WeightTransport] = None,
+        episodes: Optional[MultiTurn] = None,
     ):
         self.engine = engine
+        self.episodes = episodes
         self.rewards = rewards
         self.tokenizer = tokenizer
         self.train_params = train_params
@@ -117,6 +133,8 @@ class RolloutWorker:
     def start(self, spec: EngineSpec) -> None:
         if not self.started:
             self.engine.start(spec)
+            if self.episodes is not None:
+                self.episodes.start(self.tokenizer, spec.prompt_length, lockstep=spec.lockstep)
             self.started = True
 
     def sync_weights(self, version: int, policy_weights: WeightsSource) -> dict[str, float]:
@@ -163,6 +181,8 @@ class RolloutWorker:
 
     def rollout(self, batch: dict, *, seed: int, device: torch.device, evaluation: bool = False) -> Rollout:
         """Generate and score responses for a batch of prompts from the data module."""
+        if self.episodes is not None:
+            return self._episode_rollout(batch, seed=seed, device=device, evaluation=evaluation)
         group_size = self.eval_group_size if evaluation else self.group_size
         params = self.eval_params if evaluation else self.train_params
         timings = {}
@@ -199,6 +219,59 @@ class RolloutWorker:
             scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),
             timings=timings,
             reward_errors=sum(self.rewards.error_counts.values()) - errors_before,
+        )
+
+    def _episode_rollout(self, batch: dict, *, seed: int, device: torch.device, evaluation: bool) -> Rollout:
+        """Multi-turn episodes: the episode runner drives the engine turn by turn; reward
+        functions score whole episodes (TRL's conversational ``completions``), plus the
+        environment's turn rewards (component ``environment``)."""
+        group_size = self.eval_group_size if evaluation else self.group_size
+        params = self.eval_params if evaluation else self.train_params
+        timings = {}
+        start = time.perf_counter()
+        self.engine.wake()
+        raw_prompts = batch.get("prompts", batch["prompt_text"])
+        rows = [dict(zip(batch["columns"], values)) for values in zip(*batch["columns"].values())] or [{} for _ in raw_prompts]
+        episodes = self.episodes.run(self.engine, raw_prompts, rows, group_size, params, seed)
+        self.engine.sleep()
+        timings["time/generate"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        generation = episodes.generation
+        model_ids = [[t for t, turn in zip(row, turns) if turn >= 0]
+                     for row, turns in zip(generation.completion_ids.tolist(), episodes.turn_of_token.tolist())]
+        columns = {key: [v for v in values for _ in range(group_size)] for key, values in batch["columns"].items()}
+        columns["completion_lengths"] = [len(ids) for ids in model_ids]  # the model's tokens: no length penalty for tool output
+        errors_before = sum(self.rewards.error_counts.values())
+        scored = self.rewards(prompts=episodes.prompts, completions=episodes.completions, completion_ids=model_ids,
+                              columns=columns)
+        total, components = list(scored[0]), dict(scored[1])
+        scored_rows = scored[2] if len(scored) > 2 else None
+        environment = [sum(rewards) for rewards in episodes.turn_rewards]
+        if any(environment):
+            total = [t + e for t, e in zip(total, environment)]
+            components["environment"] = environment
+        timings["time/score"] = time.perf_counter() - start
+
+        lengths = generation.lengths.tolist()
+        transcripts = self.tokenizer.batch_decode([row[:n] for row, n in zip(generation.completion_ids.tolist(), lengths)],
+                                                  skip_special_tokens=False)
+        tensors = build_rollout_tensors(episodes.prompt_ids, generation, 1, self.tokenizer.pad_token_id, device,
+                                        loss_mask=episodes.loss_mask)
+        return Rollout(
+            **tensors,
+            rewards=torch.tensor(total, dtype=torch.float32, device=device),
+            reward_components={k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in components.items()},
+            group_size=group_size,
+            policy_version=self.engine.weights_version if generation.weights_version is None else generation.weights_version,
+            prompts=episodes.prompts,
+            completions=transcripts,
+            scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),
+            timings=timings,
+            reward_errors=sum(self.rewards.error_counts.values()) - errors_before,
+            turn_of_token=episodes.turn_of_token.to(device),
+            turn_rewards=episodes.turn_rewards,
+            episode_stats=episodes.stats,
         )
 
     def close(self) -> None:

@@ -87,6 +87,15 @@ def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     valid = rollout.response_mask
     m.update("advantage/mean", advantages[valid].mean() if valid.any() else 0.0, valid.sum())
     m.update("reward/errors", float(rollout.reward_errors), kind="max")
+    for name, value in rollout.episode_stats.items():  # episodes: turns, tool calls and errors, endings
+        if name != "episode/environment_token_frac":
+            m.update(name, value, lengths.numel())
+    if rollout.turn_of_token is not None:
+        # a ratio of tokens, weighted by tokens: the same over any number of ranks (and over the
+        # rows a step keeps), where the runner's per-batch ratio weighted by episodes is not
+        tokens = rollout.attention_mask[:, rollout.prompt_width:].bool()
+        environment = (tokens & ~rollout.response_mask).sum()
+        m.update("episode/environment_token_frac", environment / tokens.sum().clamp(min=1), tokens.sum())
 
 
 def step_values(metrics: StepMetrics, rollout, advantages: Tensor, timings: dict[str, float], elapsed: float) -> dict[str, float]:

@@ -33,6 +33,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.episodes.runner import MultiTurn, check_episode_objective
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
@@ -49,7 +50,7 @@ from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine,
 from gspo_lightning.rollout.pipeline import StaleRollouts
 from gspo_lightning.rollout.sampling import step_seed
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
-from gspo_lightning.rollout.weight_sync import iter_adapter_weights, iter_policy_weights
+from gspo_lightning.rollout.weight_sync import engine_weights
 from gspo_lightning.run.phases import PHASES
 from gspo_lightning.run.results import append_eval_record, eval_step
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
@@ -150,6 +151,8 @@ class GSPOModule(L.LightningModule):
             old-policy pass and force them in the training forwards (the baseline GRPO needs
             on MoE models). MoE policies always log how much routing changed since the old pass.
         router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
+        episodes: multi-turn episodes with an environment (``episodes.MultiTurn``; docs/episodes.md): each
+            sample is an episode, ``response_length`` its token budget after the prompt. ``null``: one turn.
         max_staleness: ``k``: generate the rollouts of the next ``k`` steps while this one trains
             (0: synchronous, on-policy; the default). The lag is counted in rollout steps; needs
             an engine with its own weights (``HFCopyEngine`` in float32, ``RemoteEngine``, vLLM); see docs/async.md.
@@ -185,6 +188,7 @@ class GSPOModule(L.LightningModule):
         rewards: Optional[list[RewardSpec]] = None,
         on_reward_error: OnRewardError = "raise",
         engine: Optional[RolloutEngine] = None,
+        episodes: Optional[MultiTurn] = None,
         num_return_sequences_in_group: int = 8,
         response_length: int = 256,
         temperature: float = 1.0,
@@ -241,7 +245,7 @@ class GSPOModule(L.LightningModule):
         lr_scheduler: Optional[LRSchedulerCallable] = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "metric_hooks", "off_policy", "lora"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "episodes", "metric_hooks", "off_policy", "lora"])
         # plain dicts, so checkpoints load with torch.load(weights_only=True)
         self.hparams["rewards"] = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None
         # config blocks as dataclasses here, as dicts in the hyper-parameters (a dict: from a checkpoint's)
@@ -268,7 +272,9 @@ class GSPOModule(L.LightningModule):
             group_size=num_return_sequences_in_group,
             eval_params=SamplingParams(response_length, val_temperature, 1.0 if greedy else top_p, 0 if greedy else top_k),
             eval_group_size=val_num_samples,
+            episodes=episodes,
         )
+        self.episodes = check_episode_objective(episodes, importance_sampling, adv_estimator)
         self.policy = None
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
@@ -355,7 +361,7 @@ class GSPOModule(L.LightningModule):
         hp = self.hparams
         root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
         source = rollout_source(
-            self.worker, lambda: self._engine_weights(root), self.device, self.sampling_seed,
+            self.worker, lambda: engine_weights(self.policy, self.worker.engine.weights_format, root), self.device, self.sampling_seed,
             max_staleness=max_staleness, stale_rollouts=hp.stale_rollouts, datamodule=self.trainer.datamodule,
             dynamic_sampling_rounds=hp.max_sampling_rounds if fit and hp.dynamic_sampling else None,
             sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
@@ -365,13 +371,6 @@ class GSPOModule(L.LightningModule):
             source.load_state_dict(self._pending_rollouts, self.device)
             self._pending_rollouts = None
         return source
-
-    def _engine_weights(self, root):
-        """What the engine loads: the LoRA adapters alone when it serves them (``weights_format``
-        ``adapter``, decided at its start), else the full (for LoRA: merged) weights."""
-        if self.worker.engine.weights_format == "adapter":
-            return iter_adapter_weights(self.policy)
-        return iter_policy_weights(self.policy, root=root)
 
     def teardown(self, stage: str) -> None:
         if self.rollouts is not None:  # the producer first: it may be using the engine
@@ -512,6 +511,9 @@ class GSPOModule(L.LightningModule):
             kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
             advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum, scored=rollout.scored,
         )
+        if self.episodes is not None and self.episodes.turn_advantages:  # GSPO-token: each turn its own return
+            advantages = self.episodes.advantages(rollout.rewards, rollout.turn_rewards, rollout.turn_of_token,
+                                                  rollout.group_size, rollout.scored)
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(self.sampling_seed(self.rollout_steps) + 17)

@@ -14,10 +14,13 @@ import lightning as L
 import torch
 
 from gspo_lightning.data.datamodule import PromptDataModule
+from gspo_lightning.episodes.messages import StepResult
+from gspo_lightning.episodes.runner import MultiTurn
 from gspo_lightning.models.lora import LoRA
-from gspo_lightning.training.module import GSPOModule
-from gspo_lightning.rollout.engine import Generation, RolloutEngine
 from gspo_lightning.rewards import RewardSpec
+from gspo_lightning.rollout.engine import Generation, RolloutEngine
+from gspo_lightning.training.module import GSPOModule
+from tests.test_episodes_modes import RepliesToEveryTurn
 
 
 class DeterministicEngine(RolloutEngine):
@@ -25,18 +28,23 @@ class DeterministicEngine(RolloutEngine):
 
     shares_policy_weights = True
 
+    calls = 0  # generate calls: an episode's turns each make one
+
     def start(self, spec):
         self.vocab_size, self.eos_id, self.pad_id = len(spec.tokenizer), spec.eos_token_ids[0], spec.pad_token_id
 
     def generate(self, prompt_ids, n, params, seed):
+        self.calls += 1
         rows = []
         for prompt in prompt_ids:
             for j in range(n):
-                length = 1 + (sum(prompt) * 3 + j * 7) % params.max_new_tokens
+                # a response is the first max_new_tokens of a fixed one (1..5 tokens), as a sampler
+                # streams it: the same tokens whatever max_new_tokens a caller asks for
+                length = 1 + (sum(prompt) * 3 + j * 7) % 5
                 row = [3 + (sum(prompt) * 5 + j * 11 + t * 13) % (self.vocab_size - 3) for t in range(length)]
                 if j % 3 == 0:
                     row[-1] = self.eos_id
-                rows.append(row)
+                rows.append(row[:params.max_new_tokens])
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id)
         for i, r in enumerate(rows):
@@ -44,6 +52,31 @@ class DeterministicEngine(RolloutEngine):
         lengths = torch.tensor([len(r) for r in rows])
         truncated = torch.tensor([r[-1] != self.eos_id for r in rows])
         return Generation(ids, torch.zeros(ids.shape), lengths, truncated)
+
+
+class GatheringEngine(DeterministicEngine):
+    """Gathers a sharded policy's weights in every generate, as HFEngine does: a collective, so
+    every rank must call it as often (FSDP2 hangs otherwise)."""
+
+    def start(self, spec):
+        super().start(spec)
+        self.policy = spec.policy
+
+    def generate(self, prompt_ids, n, params, seed):
+        from gspo_lightning.training.sharding import gathered
+
+        with gathered(self.policy):
+            return super().generate(prompt_ids, n, params, seed)
+
+
+class EndsAtOnceOnRankOne(RepliesToEveryTurn):
+    """Replies to every turn on rank 0 (until max_turns); ends every episode at once on rank 1."""
+
+    def step(self, assistant_message):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            return StepResult(messages=[], done=True)
+        self.turns = 0  # never done: replies until max_turns or the budget
+        return super().step(assistant_message)
 
 
 # name -> GSPOModule overrides; batch-wide statistics (batch normalization, whitening)
@@ -59,13 +92,22 @@ CASES = {
     # LoRA: only the adapters train (B moves first: it starts at zero); the reference is the
     # base, the policy with its adapters off
     "lora-kl": dict(lora=LoRA(rank=4, alpha=8), use_kl_loss=True, kl_loss_coef=0.5, kl_estimator="k1"),
+    # multi-turn episodes: each rank runs its own episodes, so ranks take different numbers of
+    # turns; the environment's tokens sit inside the responses, masked out of the loss
+    "episodes": dict(model_name_or_path="builtin:tiny-lookup", data_path="builtin:lookup", response_length=12,
+                     episodes=lambda: MultiTurn(RepliesToEveryTurn(), max_turns=3, end_of_turn=""),
+                     rewards=[RewardSpec(function="gspo_lightning.data.tasks.lookup.lookup_answer_reward"),
+                              RewardSpec(function="gspo_lightning.data.tasks.lookup.lookup_call_reward", weight=0.2)]),
 }
+# not compared with one rank: its ranks take different numbers of turns on purpose
+UNEVEN = dict(CASES["episodes"], episodes=lambda: MultiTurn(EndsAtOnceOnRankOne(), max_turns=3, end_of_turn=""),
+              engine=GatheringEngine)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="ddp")
-    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help="also: episodes-uneven")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -83,15 +125,20 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     L.seed_everything(0, verbose=False)
-    settings = {"model_name_or_path": "builtin:tiny-echo", "micro_batch_size": 3, **CASES[case]}
+    settings = {"model_name_or_path": "builtin:tiny-echo", "micro_batch_size": 3, "response_length": 5,
+                "rewards": [RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")],
+                **(UNEVEN if case == "episodes-uneven" else CASES[case])}
+    data_path = settings.pop("data_path", "builtin:echo")
+    if "episodes" in settings:
+        settings["episodes"] = settings["episodes"]()  # each run its own (the renderer is built at start)
+    engine = settings.pop("engine", DeterministicEngine)()
     module = GSPOModule(
-        rewards=[RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")], engine=DeterministicEngine(),
-        num_return_sequences_in_group=4, response_length=5, max_grad_norm=None, num_mini_batches=1,
+        engine=engine, num_return_sequences_in_group=4, max_grad_norm=None, num_mini_batches=1,
         **settings, optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
     )
     module.configure_model() if strategy_name != "fsdp2" else None
     initial = {k: v.detach().clone() for k, v in module.policy.named_parameters()} if module.policy is not None else {}
-    data = PromptDataModule(path="builtin:echo", tokenizer=settings["model_name_or_path"], rollout_batch_size=8,
+    data = PromptDataModule(path=data_path, tokenizer=settings["model_name_or_path"], rollout_batch_size=8,
                             prompt_length=8, val_size=0, shuffle=False)
     strategy = strategy_name
     if strategy == "fsdp2":
@@ -110,11 +157,16 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     for name, param in module.policy.named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         state[name] = full.detach().cpu()
+    calls = [None] * world  # each rank's generate calls
+    if world > 1:
+        torch.distributed.all_gather_object(calls, engine.calls)
+    else:
+        calls = [engine.calls]
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/"))}
         out = os.path.join(out_dir, f"{case}.pt")
         torch.save({"state": state, "initial": initial, "metrics": metrics, "world": world,
-                    "grad_sync": module.grad_sync.mode}, out)
+                    "grad_sync": module.grad_sync.mode, "calls": calls}, out)
         print(json.dumps({"saved": out, "world": world}))
 
 

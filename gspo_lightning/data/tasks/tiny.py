@@ -18,6 +18,12 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+# the lookup task's: an assistant turn is its bare content and the generation prompt is empty, so
+# the model's turn starts right after what it answers (a tool's reply, the asked key)
+LOOKUP_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ message['content'] }}\n"
+    "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}{% endfor %}"
+)
 
 
 @dataclass(frozen=True)
@@ -39,10 +45,13 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     extra_config: dict = field(default_factory=dict)
+    chat_template: str = CHAT_TEMPLATE
 
 
 ECHO_WORDS = ("repeat", *[str(d) for d in range(10)])
 SUCCESSOR_WORDS = ("next", *[str(d) for d in range(10)])
+# the lookup task's episodes (data/tasks/lookup.py): chat roles as words, a tool, six keys, digits
+LOOKUP_WORDS = ("user:", "assistant:", "tool:", "find", "get", "error", "a", "b", "c", "d", "e", "f", *[str(d) for d in range(10)])
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
     # a 2-layer model over a 14-token vocabulary (the echo task: tests, experiments)
@@ -52,6 +61,9 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
     # the quickstart model with 2 heads of 32 dims (configs/quickstart_vllm.yaml): vLLM's CPU
     # attention has no kernel for heads of 16
     "tiny-successor-h32": TinyModelSpec(words=SUCCESSOR_WORDS, num_attention_heads=2, num_key_value_heads=1),
+    # multi-turn episodes with a tool (the lookup task); heads of 32 dims, so vLLM's CPU attention runs it too
+    "tiny-lookup": TinyModelSpec(words=LOOKUP_WORDS, num_attention_heads=2, num_key_value_heads=1,
+                                 chat_template=LOOKUP_CHAT_TEMPLATE),
     # the same with 8 small experts, for Mixture-of-Experts experiments
     "tiny-moe-echo": TinyModelSpec(
         words=ECHO_WORDS,
@@ -102,13 +114,13 @@ def _corpus_lines(corpus: str) -> Iterable[str]:
                 yield row["answer"]
 
 
-def _wrap_tokenizer(tok):
+def _wrap_tokenizer(tok, chat_template: str = CHAT_TEMPLATE):
     from transformers import PreTrainedTokenizerFast
 
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
     )
-    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.chat_template = chat_template
     wrapped.padding_side = "left"
     return wrapped
 
@@ -122,7 +134,7 @@ def build_tokenizer(spec: TinyModelSpec):
         tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         # WordLevel has no decoder of its own: the default joins tokens with single spaces
-        return _wrap_tokenizer(tok)
+        return _wrap_tokenizer(tok, spec.chat_template)
     if spec.tokenizer == "bpe":
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
         tok.normalizer = normalizers.NFKC()
@@ -130,7 +142,7 @@ def build_tokenizer(spec: TinyModelSpec):
         tok.decoder = decoders.Metaspace()
         trainer = trainers.BpeTrainer(vocab_size=spec.bpe_vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
         tok.train_from_iterator(_corpus_lines(spec.corpus or "gsm8k"), trainer=trainer)
-        return _wrap_tokenizer(tok)
+        return _wrap_tokenizer(tok, spec.chat_template)
     raise ValueError(f"unknown tokenizer kind {spec.tokenizer!r}")
 
 

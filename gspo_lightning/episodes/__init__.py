@@ -1,0 +1,15 @@
+"""Multi-turn episodes, engine-independent parts: tools from typed functions, tool-call
+parsers, environments chosen by ``class_path``, and the chat renderer that turns environment
+messages into tokens appended after the model's own (token-in, token-out)."""
+
+from gspo_lightning._imports import lazy_exports
+
+EXPORTS = {
+    "StepResult": "messages",
+    **dict.fromkeys(["Tool", "ToolError", "load_tools"], "tools"),
+    **dict.fromkeys(["HermesToolCallParser", "ParsedTurn", "ToolCall", "ToolCallParser"], "parsers"),
+    **dict.fromkeys(["Environment", "ToolEnvironment"], "environments"),
+    **dict.fromkeys(["ChatRenderer", "DEFAULT_TOOLS_SYSTEM_PROMPT", "TemplateNotAppendOnly"], "template"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

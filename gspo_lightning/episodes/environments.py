@@ -1,0 +1,135 @@
+"""Environments: what answers the model between its turns.
+
+An episode is: ``reset(row, prompt)`` (the conversation it starts from: the row's prompt
+messages, with whatever the environment puts before or after them), then for each
+assistant turn ``step(assistant_message) -> StepResult`` until the result is ``done``, the
+model makes no call, or the runner's ``max_turns`` / token budget ends it.
+
+One instance serves one episode. A config names a template instance (``class_path`` and
+``init_args`` of plain types, tools as import paths); the runner calls ``template.fresh()``
+per episode, so an environment with per-episode state (a game board, a sandbox) starts
+clean each time. ``fresh()`` deep-copies by default; override it when something should be
+shared between episodes (a connection pool, loaded tools) or is costly to copy.
+
+.. code-block:: yaml
+
+    environment:
+      class_path: gspo_lightning.episodes.ToolEnvironment
+      init_args:
+        tools: [my_tools.add, my_tools.multiply]
+        timeout_s: 2.0
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional, Union
+
+from gspo_lightning.episodes.messages import StepResult
+from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
+from gspo_lightning.episodes.tools import Tool, ToolError, load_tools
+
+
+class Environment:
+    """Base environment: subclasses implement :meth:`step`, and :meth:`reset` when they add messages."""
+
+    @property
+    def tools_schema(self) -> Optional[list[dict]]:
+        """The function schemas the model is shown (the chat template's ``tools=``), or None."""
+        return None
+
+    def fresh(self) -> "Environment":
+        """A new instance for one episode, in the state ``__init__`` left it."""
+        return copy.deepcopy(self)
+
+    def reset(self, row: dict, prompt: list[dict]) -> list[dict]:
+        """Start an episode on a dataset row (all its columns) whose prompt is ``prompt`` (chat
+        messages); returns the conversation the first assistant turn answers. The default: the
+        prompt as it is. Override to add a system message, a worked example, a first observation."""
+        return list(prompt)
+
+    def step(self, assistant_message: dict) -> StepResult:
+        """Answer one assistant turn ``{"role": "assistant", "content": text}``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step(assistant_message) -> StepResult")
+
+
+def _error_reply(text: str, name: Optional[str] = None) -> dict:
+    return {"role": "tool", **({"name": name} if name else {}), "content": f"Error: {text}"}
+
+
+class ToolEnvironment(Environment):
+    """Runs the tool calls of each assistant turn and replies with one ``tool`` message per call.
+
+    Only the text after a turn's last ``</think>`` is read for calls (a call drafted while reasoning
+    is not made). The episode is done when a turn makes no call and no malformed call (a malformed call gets
+    an error reply, so the model may retry). Calls run one after another, in the order written;
+    a turn's unreadable calls are answered after its readable ones. Every fault is a reply
+    ``"Error: ..."`` and is counted in ``StepResult.info``: ``tool_calls`` (all calls, readable
+    or not), ``tool_errors`` (calls answered with an error), ``tool_timeouts``,
+    ``malformed_tool_calls``.
+
+    Args:
+        tools: import paths (``package.module.function``) or callables; see ``episodes/tools.py``.
+        parser: reads the calls from the turn's text; default :class:`HermesToolCallParser`.
+        timeout_s: the longest one call may run before its reply is a timeout error.
+        max_calls_per_turn: calls past this many in one turn are not run; each gets an error reply.
+        first_messages: messages every conversation starts with, before the row's prompt: a system
+            message, a worked example of a call (a small model that has never seen the call format
+            in its chat template learns it from one example).
+    """
+
+    def __init__(self, tools: list[Union[str, Callable]], parser: Optional[ToolCallParser] = None,
+                 timeout_s: float = 5.0, max_calls_per_turn: int = 4, first_messages: Optional[list[dict]] = None):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if max_calls_per_turn < 1:
+            raise ValueError(f"max_calls_per_turn must be at least 1, got {max_calls_per_turn}")
+        self.tools: dict[str, Tool] = {tool.name: tool for tool in load_tools(tools)}
+        self.parser = parser if parser is not None else HermesToolCallParser()
+        self.timeout_s = timeout_s
+        self.max_calls_per_turn = max_calls_per_turn
+        self.first_messages = [dict(m) for m in first_messages or []]
+        if any(not isinstance(m.get("role"), str) or "content" not in m for m in self.first_messages):
+            raise ValueError("first_messages must be chat messages, each with a role and a content")
+
+    @property
+    def tools_schema(self) -> list[dict]:
+        return [tool.schema for tool in self.tools.values()]
+
+    def reset(self, row: dict, prompt: list[dict]) -> list[dict]:
+        return [*self.first_messages, *prompt]
+
+    def fresh(self) -> "ToolEnvironment":
+        # no per-episode state: the loaded tools and the parser are shared, not copied
+        return copy.copy(self)
+
+    def step(self, assistant_message: dict) -> StepResult:
+        text = assistant_message.get("content") or ""
+        # calls written while reasoning are not calls: read only what follows the last </think>
+        turn = self.parser.parse(text.rpartition("</think>")[2])
+        counts = {"tool_calls": len(turn.calls) + len(turn.errors), "tool_errors": len(turn.errors),
+                  "tool_timeouts": 0, "malformed_tool_calls": len(turn.errors)}
+        replies = []
+        for index, call in enumerate(turn.calls):
+            if index >= self.max_calls_per_turn:
+                replies.append(_error_reply(f"at most {self.max_calls_per_turn} tool calls per turn; this call "
+                                            "was not run", call.name))
+                counts["tool_errors"] += 1
+                continue
+            tool = self.tools.get(call.name)
+            if tool is None:
+                replies.append(_error_reply(f"unknown tool {call.name!r}; the tools are "
+                                            f"{', '.join(self.tools) or 'none'}", call.name))
+                counts["tool_errors"] += 1
+                continue
+            try:
+                replies.append({"role": "tool", "name": call.name, "content": tool(call.arguments, self.timeout_s)})
+            except ToolError as err:
+                replies.append(_error_reply(str(err), call.name))
+                counts["tool_errors"] += 1
+                counts["tool_timeouts"] += err.kind == "timeout"
+        replies.extend(_error_reply(error) for error in turn.errors)
+        return StepResult(messages=replies, done=not replies, info=counts)
+
+
+__all__ = ["Environment", "ToolEnvironment"]

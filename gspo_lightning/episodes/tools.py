@@ -1,0 +1,178 @@
+"""Tools: plain typed Python functions with docstrings, called with the arguments a model wrote.
+
+The schema the model is shown is the one ``transformers.utils.get_json_schema`` builds from
+the signature and the Google-style docstring (as ``apply_chat_template(tools=[fn])`` does), so a
+tool needs type hints on every argument and an ``Args:`` entry for each:
+
+.. code-block:: python
+
+    def add(a: int, b: int) -> int:
+        \"\"\"Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        \"\"\"
+        return a + b
+
+A call never raises anything but :class:`ToolError`, whose short message becomes the tool's
+reply to the model: bad or missing arguments, an exception inside the tool, a result that is
+not JSON, or a call that outlived its timeout.
+
+Timeouts run the call in a daemon thread and stop waiting after ``timeout_s``. Python cannot
+kill a thread: a hung tool keeps running (and holding what it holds) until it returns, but the
+episode goes on and the interpreter does not wait for it at exit. A process per call could be
+killed, but it costs a fork or a spawn per call (tens of milliseconds, and fork is unsafe in a
+trainer with CUDA and threads) and needs picklable functions; tools that can truly hang (network,
+subprocesses) should bound themselves and use this timeout as the backstop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import os
+import threading
+from typing import Any, Callable, Union
+
+# a reply the model reads: long tracebacks would only eat the episode's token budget
+MAX_ERROR_CHARS = 300
+
+# JSON-schema type -> the Python types a JSON decoder gives for it (bool is not a number here)
+_JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,),
+               "array": (list,), "object": (dict,), "null": (type(None),)}
+
+
+class ToolError(Exception):
+    """A tool call that failed; ``str(error)`` is the short reason shown to the model.
+
+    ``kind`` says which fault it was: ``"arguments"``, ``"raised"``, ``"result"`` or ``"timeout"``.
+    """
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message[:MAX_ERROR_CHARS])
+        self.kind = kind
+
+
+def _matches(value: Any, schema_type: Union[str, list, None]) -> bool:
+    if schema_type is None:
+        return True
+    types = schema_type if isinstance(schema_type, list) else [schema_type]
+    for name in types:
+        python_types = _JSON_TYPES.get(name)
+        if python_types is None:
+            return True  # a type this check does not know: let the tool decide
+        if isinstance(value, python_types) and not (isinstance(value, bool) and name in ("integer", "number")):
+            return True
+    return False
+
+
+class Tool:
+    """A callable the model may call by name, with the JSON schema it is shown.
+
+    Args:
+        function: a typed function (or ``async def``) with a Google-style docstring.
+    """
+
+    def __init__(self, function: Callable):
+        self.function = function
+        self.schema = schema_of(function)
+        self.name: str = self.schema["function"]["name"]
+        self._signature = inspect.signature(function)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name})"
+
+    def check_arguments(self, arguments: Any) -> dict:
+        """``arguments`` if they bind to the signature with the schema's top-level types, else a ToolError."""
+        if not isinstance(arguments, dict):
+            raise ToolError(f"arguments must be a JSON object, got {type(arguments).__name__}", kind="arguments")
+        try:
+            self._signature.bind(**arguments)
+        except TypeError as err:
+            raise ToolError(f"bad arguments for {self.name}: {err}", kind="arguments") from None
+        properties = self.schema["function"].get("parameters", {}).get("properties", {})
+        for key, value in arguments.items():
+            expected = properties.get(key, {}).get("type")
+            if value is None and properties.get(key, {}).get("nullable"):  # an Optional[...] argument
+                continue
+            if not _matches(value, expected):
+                raise ToolError(f"argument {key!r} of {self.name} must be {expected}, got {json.dumps(value)[:40]}",
+                                kind="arguments")
+        return arguments
+
+    def __call__(self, arguments: dict, timeout_s: float) -> str:
+        """Run the tool; its result as text (a string as is, anything else as JSON)."""
+        arguments = self.check_arguments(arguments)
+        outcome: dict[str, Any] = {}
+
+        def run():
+            try:
+                result = self.function(**arguments)
+                outcome["value"] = asyncio.run(result) if inspect.iscoroutine(result) else result
+            except BaseException as err:  # noqa: BLE001 - whatever it raises is the tool's reply
+                outcome["error"] = err
+
+        worker = threading.Thread(target=run, name=f"tool-{self.name}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise ToolError(f"{self.name} timed out after {timeout_s:g} s", kind="timeout")
+        if "error" in outcome:
+            err = outcome["error"]
+            raise ToolError(f"{self.name} raised {type(err).__name__}: {err}", kind="raised")
+        value = outcome["value"]
+        if isinstance(value, str):
+            return value
+        try:
+            return json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as err:
+            raise ToolError(f"{self.name} returned a {type(value).__name__}, which is not JSON: {err}",
+                            kind="result") from None
+
+
+def schema_of(function: Callable) -> dict:
+    """The function schema ``get_json_schema`` builds, or a ValueError that says what to add."""
+    from transformers.utils import get_json_schema
+
+    name = getattr(function, "__name__", repr(function))
+    try:
+        return get_json_schema(function)
+    except Exception as err:  # TypeHintParsingException, DocstringParsingException
+        raise ValueError(f"tool {name!r} has no schema: {err}. A tool needs a type hint on every argument and a "
+                         "Google-style docstring with a description and an 'Args:' line per argument") from err
+
+
+def import_tool(path: str) -> Callable:
+    """The function at ``package.module.function`` (or ``package.module:function``)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"tool {path!r} is not an import path like 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} of tool {path!r}: {err} (modules are looked up in "
+                         f"the installed packages and the working directory {os.getcwd()!r})") from err
+    function = getattr(module, attr, None)
+    if function is None:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (tool {path!r})")
+    if not callable(function):
+        raise ValueError(f"tool {path!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def load_tools(specs: list[Union[str, Callable]]) -> list[Tool]:
+    """Tools from import paths or callables; names must be unique (the model calls them by name)."""
+    tools = [Tool(import_tool(spec) if isinstance(spec, str) else spec) for spec in specs]
+    names = [tool.name for tool in tools]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"two tools share the name {', '.join(map(repr, duplicates))}; rename one of them")
+    return tools
+
+
+__all__ = ["Tool", "ToolError", "import_tool", "load_tools", "schema_of"]
