@@ -1,12 +1,12 @@
-"""OpenMP's wait policy beside a busy process: the quickstart's step time with torch's
-default settings and with the `gspo` command's (``OMP_WAIT_POLICY=PASSIVE``), on the
-machine as it is and with a busy torch process of our own beside the run.
+"""CPU threads beside a busy process: the quickstart's step time with the `gspo` command's
+settings (threads chosen by ``run/cpu_threads.py``) against fixed settings, on the machine as it
+is and with a busy torch process of our own beside the run.
 
-    python benchmarks/bench_cpu_env.py --steps 12 --repeats 2
+    python benchmarks/bench_cpu_env.py --steps 30 --repeats 2
+    python benchmarks/bench_cpu_env.py --config my_run.yaml --steps 10   # another model
 
-Runs alternate (default, passive) within each load condition; the result is the ratio of
-median step times in one run. "default" is the OpenMP runtime with no wait policy set (the
-run imports torch before the CLI sets one), the behaviour before the `gspo` command set it.
+Arms run alternately within each load condition; the result is each arm's median step time
+and its ratio to the shipped arm's, in one run.
 """
 
 from __future__ import annotations
@@ -23,25 +23,31 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# torch loaded before the CLI: the runtime starts with no wait policy (as before run/cpu_env.py)
-DEFAULT_LAUNCH = "import sys, torch; from gspo_lightning.cli import main; sys.argv[0] = 'gspo'; main()"
-PASSIVE_LAUNCH = "import sys; from gspo_lightning.cli import main; sys.argv[0] = 'gspo'; main()"
+LAUNCH = "import sys; from gspo_lightning.cli import main; sys.argv[0] = 'gspo'; main()"
 BUSY = "import torch\ntorch.set_num_threads(1)\na = torch.randn(384, 384)\nwhile True:\n    a @ a"
+# arm -> environment added to the clean one (no OpenMP variable: the `gspo` command's choice)
+ARMS = {
+    "shipped": {},
+    "2 threads": {"OMP_NUM_THREADS": "2"},  # OpenMP's default wait policy (spin ~3 ms, then sleep)
+    "passive, 2 threads": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"},  # the `gspo` command before issue 41
+    "passive, 1 thread": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"},
+    "active, 2 threads": {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "2"},
+}
 
 
 def clean_env() -> dict[str, str]:
     """Our environment without OpenMP settings: torch picks its own thread count (all cores)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    return {**env, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}  # benchmarks/: the grid's reward
 
 
-def run_quickstart(launch: str, steps: int, folder: Path) -> list[float]:
-    env = clean_env()
-    args = ["fit", "--config", str(ROOT / "configs/quickstart.yaml"), f"--trainer.max_steps={steps}",
+def run_config(config: Path, extra_env: dict, steps: int, folder: Path) -> list[float]:
+    env = {**clean_env(), **extra_env}
+    args = ["fit", "--config", str(config), f"--trainer.max_steps={steps}",
             "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false", "--model.export_on_fit_end=false",
             "--checkpoint.every_n_train_steps=0", f"--trainer.default_root_dir={folder}"]
-    subprocess.run([sys.executable, "-c", launch, *args], cwd=folder, env=env, check=True,
+    subprocess.run([sys.executable, "-c", LAUNCH, *args], cwd=folder, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = next(folder.rglob("metrics.csv"))
     with open(metrics) as handle:
@@ -51,29 +57,32 @@ def run_quickstart(launch: str, steps: int, folder: Path) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/quickstart.yaml")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = {"load_before": os.getloadavg(), "cores": os.cpu_count()}
+    results = {"load_before": os.getloadavg(), "cores": os.cpu_count(), "config": str(args.config), "arms": args.arms}
     for load in ("as is", "busy neighbour"):
         busy = subprocess.Popen([sys.executable, "-c", BUSY], env=clean_env()) if load == "busy neighbour" else None
         try:
             time.sleep(1.0 if busy else 0.0)
-            times = {"default": [], "passive": []}
+            times = {name: [] for name in args.arms}
             for _ in range(args.repeats):
-                for name, launch in (("default", DEFAULT_LAUNCH), ("passive", PASSIVE_LAUNCH)):
+                for name in args.arms:
                     with tempfile.TemporaryDirectory() as folder:
-                        times[name] += run_quickstart(launch, args.steps, Path(folder))
+                        times[name] += run_config(args.config.resolve(), ARMS[name], args.steps, Path(folder))
         finally:
             if busy is not None:
                 busy.kill()
                 busy.wait()
         medians = {name: statistics.median(values) for name, values in times.items()}
-        results[load] = {"median_step_s": medians, "passive_over_default": medians["passive"] / medians["default"],
+        first = args.arms[0]
+        results[load] = {"median_step_s": medians, f"over_{first}": {k: v / medians[first] for k, v in medians.items()},
                          "steps": {k: len(v) for k, v in times.items()}, "load_after": os.getloadavg()}
-        print(f"{load:15s} default {medians['default']:.3f} s/step  passive {medians['passive']:.3f} s/step  "
-              f"passive/default {medians['passive'] / medians['default']:.2f}  (loadavg {os.getloadavg()[0]:.2f})", flush=True)
+        cells = "  ".join(f"{name} {value:.3f} s ({value / medians[first]:.2f}x)" for name, value in medians.items())
+        print(f"{load:15s} {cells}  (loadavg {os.getloadavg()[0]:.2f})", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -82,7 +82,8 @@ def gspo_config(cell: str, model_dir: Path, prompts: Path, out_dir: Path, length
     }
 
 
-def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict | None, python: str = sys.executable) -> dict:
+def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict | None, python: str = sys.executable,
+              our_threads: int = 0) -> dict:
     """One measurement in a fresh process run by ``python`` (ours: the ``gspo`` beside it); its result.json
     plus the process's ru_maxrss."""
     out = Path(cfg.out_dir)
@@ -90,6 +91,10 @@ def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict |
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(cfg.threads),
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if framework == "gspo" and not our_threads:
+        env.pop("OMP_NUM_THREADS")  # as users run it: the `gspo` command chooses (run/cpu_threads.py)
+    elif framework == "gspo":
+        env["OMP_NUM_THREADS"] = str(our_threads)
     if framework == "gspo":
         import yaml
 
@@ -225,7 +230,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per framework and cell, alternated (default 2)")
     parser.add_argument("--steps", type=int, help="steps per run (default: per model size, RUN_STEPS)")
     parser.add_argument("--warmup", type=int, help="first steps of a run left out (default: per model size)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the TRL child (ours: torch's default)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the TRL child (torch's default: all cores)")
+    parser.add_argument("--our-threads", type=int, default=0,
+                        help="OMP_NUM_THREADS of our run (default 0: unset, the `gspo` command chooses by the model's size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--frameworks", default="gspo,trl")
     parser.add_argument("--source", default=None, help="GSM8K jsonl for the prompts (default: the package's subset)")

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 install_moved_modules()  # configs naming the module paths of 0.1 (gspo_lightning.tasks...) keep working
 
-# lazy: the `gspo` command sets OpenMP's environment (run/cpu_env.py) before torch loads
+# lazy: `gspo serve` sets OpenMP's environment (run/cpu_env.py) before torch loads
 __getattr__, __dir__ = lazy_exports(__name__, {"kl_penalty": "objective.loss", "policy_loss": "objective.loss"})
 
 __all__ = ["__version__", "kl_penalty", "policy_loss"]

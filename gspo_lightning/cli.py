@@ -16,8 +16,6 @@ from typing import Optional
 from gspo_lightning import __version__
 from gspo_lightning.run.cpu_env import configure_cpu_env
 
-configure_cpu_env()  # before anything imports torch: OpenMP reads its settings once, at load
-
 TRAINING_COMMANDS = ("fit", "validate", "test")
 
 USAGE = f"""usage: gspo {{fit,validate,test,serve}} [options]
@@ -49,6 +47,7 @@ def main(args: Optional[list[str]] = None) -> None:
     if command == "--version":
         print(f"gspo-lightning {__version__}")
         return
+    configure_cpu_env(command)  # before anything imports torch: OpenMP reads its settings once, at load
     if command == "serve":
         from gspo_lightning.rollout.server.command import main as serve
 

@@ -16,12 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from gspo_lightning.run.cpu_env import configure_cpu_env
-
-configure_cpu_env()  # before lightning imports torch (a no-op after gspo_lightning/cli.py did it)
-
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
 
 TRAINER_DEFAULTS = {
     "max_steps": 100,
