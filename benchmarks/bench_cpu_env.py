@@ -3,7 +3,8 @@ settings (threads chosen by ``run/cpu_threads.py``) against fixed settings, on t
 is and with a busy torch process of our own beside the run.
 
     python benchmarks/bench_cpu_env.py --steps 30 --repeats 2
-    python benchmarks/bench_cpu_env.py --config my_run.yaml --steps 10   # another model
+    python benchmarks/bench_cpu_env.py --grid-cell 100-0.6M-16 --steps 12  # a cell of bench_grid.py
+    python benchmarks/bench_cpu_env.py --config my_run.yaml --steps 10     # any run
 
 Arms run alternately within each load condition; the result is each arm's median step time
 and its ratio to the shipped arm's, in one run.
@@ -55,15 +56,37 @@ def run_config(config: Path, extra_env: dict, steps: int, folder: Path) -> list[
     return times[2:]  # the first steps warm up
 
 
+def grid_cell_config(cell: str, folder: Path, seed: int = 0) -> Path:
+    """The `gspo fit` config of one bench_grid.py cell (its model and prompts built in ``folder``)."""
+    import yaml
+    from _common import build_bench_model, write_prompts
+    from bench_grid import GROUP, PROMPT_TOKENS, PROMPTS_PER_STEP, default_source, gspo_config
+
+    vocab, size, length = cell.split("-")
+    shape = build_bench_model(vocab, size, folder / "model", seed)
+    prompts = folder / "prompts.jsonl"
+    write_prompts(shape["tokenizer"], default_source(), prompts, PROMPT_TOKENS, PROMPTS_PER_STEP * GROUP)
+    config = gspo_config(cell, folder / "model", prompts, folder, int(length), steps=10, seed=seed, profile=False, warmup=0)
+    for key in ("logger", "callbacks", "default_root_dir"):  # the run's own CSV log, in a folder per run
+        config["trainer"].pop(key)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs/quickstart.yaml")
+    parser.add_argument("--grid-cell", help="instead of --config: a cell of bench_grid.py, VOCAB-SIZE-LENGTH (e.g. 100-0.6M-16)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = {"load_before": os.getloadavg(), "cores": os.cpu_count(), "config": str(args.config), "arms": args.arms}
+    if args.grid_cell:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        args.config = grid_cell_config(args.grid_cell, Path(tempfile.mkdtemp(prefix="bench_cpu_env_")))
+    results = {"grid_cell": args.grid_cell, "load_before": os.getloadavg(), "cores": os.cpu_count(), "config": str(args.config), "arms": args.arms}
     for load in ("as is", "busy neighbour"):
         busy = subprocess.Popen([sys.executable, "-c", BUSY], env=clean_env()) if load == "busy neighbour" else None
         try:
