@@ -211,9 +211,8 @@ def peft_name(param_name: str) -> str:
 
 def adapter_param_name(name: str) -> str:
     """The inverse of :func:`peft_name`: the parameter that holds a pushed adapter tensor."""
-    for part in (".lora_A.", ".lora_B."):
-        if name.endswith(f"{part}weight") and _ADAPTER_PART not in name:
-            return name[: -len("weight")] + f"{ADAPTER}.weight"
+    if is_adapter_name(name):
+        return name[: -len("weight")] + f"{ADAPTER}.weight"
     raise ValueError(f"{name[:200]!r} is not a LoRA adapter tensor (names end in .lora_A.weight or .lora_B.weight)")
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.objective.loss import kl_penalty
-from gspo_lightning.objective.options import GROUP_ESTIMATORS, AdvEstimator, RewardNorm, check_choice, choices
+from gspo_lightning.objective.options import AdvEstimator, RewardNorm, check_choice, choices
 
 REWARD_NORMS = (None, *choices(RewardNorm))
 ADV_ESTIMATORS = choices(AdvEstimator)

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from gspo_lightning.models.lora import adapter_param_name
 from gspo_lightning.rollout.engine import EngineSpec, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.server.lease import SessionLease
 from gspo_lightning.rollout.server.limits import ServerLimits
@@ -43,13 +44,6 @@ class ServerSpec:
     # the trainer's LoRA config (``LoRA.serving_config()``: rank, alpha, target_modules) when it
     # pushes adapters alone; None: pushes are full weights under the base model's names
     lora: Optional[dict] = None
-
-
-def _adapter_param_name(name: str) -> str:
-    """The parameter a pushed adapter tensor goes to; a clear 400 for any other name."""
-    from gspo_lightning.models.lora import adapter_param_name
-
-    return adapter_param_name(name)
 
 
 class VersionError(RuntimeError):
@@ -153,7 +147,7 @@ class RolloutServer:
             base_checksum = checksum_of((name, p.detach()) for name, p in model.named_parameters())
             if self.engine.shares_policy_weights:  # the engine samples from this model: pushes land in its adapters
                 model = attach_lora(model, lora)
-        self._param_name = _adapter_param_name if lora is not None else (lambda name: name)
+        self._param_name = adapter_param_name if lora is not None else (lambda name: name)
         self.identity = {
             "model": spec.model_name_or_path, "architecture": type(model).__name__,
             "fingerprint": fingerprint_, "adapters": spec.lora, "base_checksum": base_checksum,
