@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,7 +37,7 @@ sys.path.insert(0, str(HERE))
 
 from _common import BenchConfig, _decoder_matmul_params, matmul_rate, step_flops, write_prompts  # noqa: E402
 from bench_grid import (  # noqa: E402
-    default_source, gspo_config, median, run_child, stamp, summarize, table, wait_for_quiet,
+    default_source, gspo_config, median, run_child, stamp, summarize, wait_for_quiet,
 )
 
 MODEL = "builtin:smollm2-135m-instruct"

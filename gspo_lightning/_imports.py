@@ -13,9 +13,31 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import warnings
 from typing import Callable
+
+
+def import_callable(path: str, what: str) -> Callable:
+    """The callable at ``package.module.name`` (or ``package.module:name``): a config's reward
+    function or tool. ``what`` names it in the errors ("reward function", "tool")."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{what} {path!r} is not an import path like 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} of {what} {path!r}: {err} (modules are looked up in "
+                         f"the installed packages and the working directory {os.getcwd()!r})") from err
+    found = getattr(module, attr, None)
+    if found is None:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} ({what} {path!r})")
+    if not callable(found):
+        raise ValueError(f"{what} {path!r} is a {type(found).__name__}, not a function")
+    return found
 
 
 def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:

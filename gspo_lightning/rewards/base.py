@@ -33,12 +33,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import importlib
 import inspect
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
+
+from gspo_lightning._imports import import_callable
 
 RewardFunction = Callable[..., list]
 # the keyword arguments every reward function receives besides the dataset columns
@@ -70,24 +70,7 @@ class RewardError(RuntimeError):
 
 
 def import_function(path: str) -> Callable:
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"reward function {path!r} is not an import path like 'package.module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} of reward function {path!r}: {err} "
-                         f"(modules are looked up in the installed packages and the working directory "
-                         f"{os.getcwd()!r})") from err
-    try:
-        fn = getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (reward function {path!r})") from None
-    if not callable(fn):
-        raise ValueError(f"reward function {path!r} is not callable")
-    return fn
+    return import_callable(path, "reward function")
 
 
 def is_async_callable(fn: Callable) -> bool:
