@@ -87,6 +87,9 @@ VOCABS = {
 # Model sizes by decoder (non-embedding) parameters; embeddings are tied to the head and
 # add vocab x hidden on top (the tables give the total).
 MODEL_SIZES = {
+    # the quickstart's shape: so small that dispatch, not arithmetic, sets the step time
+    "0.07M": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
     "0.6M": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2),
     "25M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
