@@ -127,6 +127,38 @@ def test_fsdp1_units_are_summoned_one_at_a_time(gloo_world, use_orig_params):
         torch.testing.assert_close(tensor, reference[name])
 
 
+class _TiedPair(nn.Module):
+    """An embedding and a head sharing one weight, as a tied LM keeps them (one FSDP1 unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Module()  # not an nn.Linear: the wrap policy would make it a unit of its own
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_every_unit_of_a_deep_model_is_streamed(gloo_world, use_orig_params):
+    """Without use_orig_params (Lightning's FSDPStrategy default) each unit's summoned
+    parameters are new objects that die with the unit's context; a duplicate check keyed
+    on id() across units once dropped later units' weights whose ids CPython reused."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(3)
+    policy = nn.Sequential(_TiedPair(), *[nn.Linear(3, 3) for _ in range(40)])
+    reference = {n: p.detach().clone() for n, p in policy.named_parameters()}  # the tie once
+    container = nn.Module()
+    container.policy = policy
+    root = FSDP(container, device_id=torch.device("cpu"), use_orig_params=use_orig_params,
+                auto_wrap_policy=ModuleWrapPolicy({nn.Linear, _TiedPair}))
+    got = [(n, t.clone()) for bucket in iter_buckets(root.module.policy, 1 << 20, root=root) for n, t in bucket]
+    assert [n for n, _ in got] == list(reference)
+    for name, tensor in got:
+        assert torch.equal(tensor, reference[name]), name
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_fsdp1_root_around_the_lightning_module_is_used_for_the_policy(gloo_world, use_orig_params):

@@ -179,7 +179,6 @@ def _iter_fsdp1(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] =
         outer = ours(_fsdp1_own_params(root, "", fsdp_cls))
         if outer:
             yield from _iter_by_size(outer, bucket_bytes, lambda p: p)
-    seen: set[int] = set()
     for unit_name, unit in root.named_modules():
         if not isinstance(unit, fsdp_cls) or not _is_on_path(engine_name(unit_name + ".")[:-1], path):
             continue  # the same decision on every rank: summoning is a collective
@@ -187,6 +186,10 @@ def _iter_fsdp1(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] =
         # one unit (typically one decoder layer) unsharded at a time, without writeback
         with fsdp_cls.summon_full_params(unit, recurse=False, writeback=False):
             named = []
+            # Tied weights share one unit in FSDP1, so duplicates are looked for within the
+            # unit only: without use_orig_params the summoned parameters are new objects
+            # that die with the context, and CPython hands their ids to the next unit's.
+            seen: set[int] = set()
             for name, param in ours(_fsdp1_own_params(unit, prefix, fsdp_cls)):
                 if id(param) not in seen:  # tied weights appear once
                     seen.add(id(param))
