@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -48,7 +49,9 @@ def append_eval_record(trainer, pl_module, values: dict[str, float]) -> None:
     folder = Path(trainer.log_dir or trainer.default_root_dir)
     if trainer.is_global_zero and counts_as_evaluation(trainer):
         folder.mkdir(parents=True, exist_ok=True)
-        record = {"step": eval_step(trainer, pl_module), "policy_version": pl_module.policy_version, **values}
+        # wall_time (Unix seconds, as TensorBoard's events): accuracy against the clock, not only steps
+        record = {"step": eval_step(trainer, pl_module), "policy_version": pl_module.policy_version,
+                  "wall_time": round(time.time(), 3), **values}
         with open(folder / "eval_results.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
