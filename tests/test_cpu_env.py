@@ -61,23 +61,30 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gspo_lightning.run.cpu_threads import (  # noqa: E402
-    SMALL_MODEL_PARAMETERS, CPUThreads, count_parameters, next_thread_count, sample_cpu, threads_for, usable_cores,
-    user_sets_threads,
+    KEEP_MORE_IF, TRIAL_BELOW_STEP_S, TRIAL_S, CPUSample, CPUThreads, next_thread_count, sample_cpu, threads_for, trial_verdict,
+    usable_cores, user_sets_threads,
 )
 
 
-@pytest.mark.parametrize("parameters, cores, ranks, expected", [
-    (75_000, 2, 1, 1),            # the quickstart's model: one thread
-    (590_000, 2, 1, 2),           # the benchmark grid's 0.6M model: both cores
-    (135_000_000, 16, 1, 16),
-    (135_000_000, 16, 4, 4),      # 4 ranks on the machine share its cores
-    (135_000_000, 3, 2, 1),       # never 0
-    (135_000_000, 1, 1, 1),
-    (SMALL_MODEL_PARAMETERS - 1, 8, 1, 1),
-    (SMALL_MODEL_PARAMETERS, 8, 1, 8),
+@pytest.mark.parametrize("cores, ranks, expected", [
+    (16, 1, 16),
+    (16, 4, 4),      # 4 ranks on the machine share its cores
+    (3, 2, 1),       # never 0
+    (1, 1, 1),
 ])
-def test_threads_follow_the_models_size_and_the_ranks_sharing_the_machine(parameters, cores, ranks, expected):
-    assert threads_for(parameters, cores, ranks) == expected
+def test_a_rank_starts_on_its_share_of_the_cores(cores, ranks, expected):
+    assert threads_for(cores, ranks) == expected
+
+
+@pytest.mark.parametrize("most, one, keep", [
+    ([0.071, 0.074, 0.070], [0.084, 0.082, 0.083], True),   # the grid's 0.07M cell, 16 tokens: 0.85x
+    ([0.080, 0.081, 0.079], [0.082, 0.083, 0.081], False),  # the quickstart: a tie keeps one thread
+    ([0.089, 0.070, 0.500], [0.100, 0.101, 0.099], True),   # medians, not means: one slow step does not decide
+    ([0.9, 0.9, 0.9], [1.0, 1.0, 1.0], False),    # exactly at the margin: not clearly faster
+])
+def test_all_cores_stay_only_when_clearly_faster_than_one(most, one, keep):
+    assert KEEP_MORE_IF == 0.9
+    assert trial_verdict(most, one) is keep
 
 
 def test_a_cgroup_cpu_quota_caps_the_cores(tmp_path):
@@ -89,13 +96,6 @@ def test_a_cgroup_cpu_quota_caps_the_cores(tmp_path):
     (tmp_path / "cpu.max").write_text(f"{100000 * (affinity + 8)} 100000\n")  # more than the affinity allows
     assert usable_cores(tmp_path) == affinity
     assert usable_cores(tmp_path / "absent") == affinity
-
-
-def test_tied_embeddings_count_once():
-    embedding = torch.nn.Embedding(10, 4)
-    head = torch.nn.Linear(4, 10, bias=False)
-    head.weight = embedding.weight
-    assert count_parameters(torch.nn.ModuleList([embedding, head])) == 40
 
 
 def test_the_users_omp_num_threads_wins():
@@ -132,9 +132,9 @@ def _fit_recording_threads(tmp_path, model: str, environ: dict, before: int) -> 
         torch.set_num_threads(1)  # conftest's setting for the rest of the session
 
 
-def test_a_small_model_trains_on_one_thread_and_the_count_is_put_back_after_fit(tmp_path):
-    during, after = _fit_recording_threads(tmp_path, "builtin:tiny-echo", environ={}, before=2)
-    assert during == [1] and after == 2
+def test_a_run_starts_on_its_cores_and_the_count_is_put_back_after_fit(tmp_path):
+    during, after = _fit_recording_threads(tmp_path, "builtin:tiny-echo", environ={}, before=3)
+    assert during == [threads_for(usable_cores())] and after == 3
 
 
 def test_with_omp_num_threads_set_the_rule_leaves_torchs_count_alone(tmp_path):
@@ -186,35 +186,82 @@ class FakeModule:
         self.logged += list(values.items())
 
 
-def test_beside_a_busy_process_the_count_drops_and_comes_back_when_it_leaves(monkeypatch):
-    """The callback's decisions from scripted counters: a window where our two threads waited half
-    the time drops to one; a window where nothing else ran brings the second back."""
+def _quiet_steps(durations: list[float]) -> list[CPUSample]:
+    """Counters at the start and end of each step: nothing waited, nothing else ran."""
+    script, t = [], 100.0
+    for seconds in durations:
+        script += [CPUSample(t, {1: 0}, 0.0, 0.0), CPUSample(t + seconds, {1: 0}, 0.0, 0.0)]
+        t += seconds + 0.01
+    return script
+
+
+def _run_steps(callback, module, trainer, steps: int) -> list[int]:
+    """The count each step ran with, and after the last."""
+    threads = []
+    for step in range(steps):
+        threads.append(torch.get_num_threads())
+        callback.on_train_batch_start(trainer, module, None, step)
+        callback.on_train_batch_end(trainer, module, None, None, step)
+    return threads + [torch.get_num_threads()]
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
     from gspo_lightning.run import cpu_threads
-    from gspo_lightning.run.cpu_threads import CPUSample
 
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
+    yield type("T", (), {"num_devices": 1})()
+    torch.set_num_threads(1)  # conftest's count
+
+
+def test_short_steps_try_one_thread_and_keep_it_when_two_are_no_faster(two_cores):
+    # warm-up, 3 steps on 2 threads, 3 on one: 0.40 vs 0.42 s, not clearly faster
+    script = _quiet_steps([0.9, 0.40, 0.40, 0.40, 0.42, 0.42, 0.42])
+    callback, module = CPUThreads(environ={}, sample=lambda: script.pop(0)), FakeModule(10)
+    callback.on_fit_start(two_cores, module)
+    assert _run_steps(callback, module, two_cores, 9) == [2, 2, 2, 2, 1, 1, 1, 1, 1, 1]
+    assert not script, "after choosing one thread the counters are no longer read"
+    logged = dict(module.logged)
+    assert logged["cpu/trial_step_s_all"] == pytest.approx(0.40) and logged["cpu/trial_step_s_one"] == pytest.approx(0.42)
+
+
+def test_short_steps_keep_all_cores_when_clearly_faster_and_then_follow_the_load(two_cores):
+    # warm-up, 4 steps of 0.08 s on 2 threads (4 to time at least TRIAL_S), 3 of 0.11 s on one: 2 win
+    # (0.08 < 0.9 x 0.11); then the windows of the load rule: one quiet step of 1 s keeps 2
+    assert TRIAL_S == 0.3
+    script = _quiet_steps([0.5, 0.08, 0.08, 0.08, 0.08, 0.11, 0.11, 0.11, 1.0])
+    callback, module = CPUThreads(environ={}, sample=lambda: script.pop(0)), FakeModule(10)
+    callback.on_fit_start(two_cores, module)
+    assert _run_steps(callback, module, two_cores, 9) == [2, 2, 2, 2, 2, 1, 1, 1, 2, 2]
+    assert [v for k, v in module.logged if k == "cpu/wait_frac"] == [0.0]  # the load rule's first window
+
+
+def test_long_steps_keep_all_cores_without_a_trial(two_cores):
+    script = _quiet_steps([3.0, TRIAL_BELOW_STEP_S, 2.0])
+    callback, module = CPUThreads(environ={}, sample=lambda: script.pop(0)), FakeModule(10)
+    callback.on_fit_start(two_cores, module)
+    assert _run_steps(callback, module, two_cores, 3) == [2, 2, 2, 2]
+    assert not any(k.startswith("cpu/trial") for k, _ in module.logged)
+    assert [v for k, v in module.logged if k == "cpu/wait_frac"] == [0.0]  # the third step: the load rule's
+
+
+def test_beside_a_busy_process_the_count_drops_and_comes_back_when_it_leaves(two_cores):
+    """The callback's decisions from scripted counters: a window where our two threads waited half
+    the time drops to one; a window where nothing else ran brings the second back."""
     clock = {"t": 0.0}
 
     def counters(waited_s: float, others_s: float, own_s: float):
         clock["t"] += 1.0
         return CPUSample(clock["t"], {1: int(waited_s * 1e9)}, own_s, own_s + others_s)
 
-    script = [counters(0, 0, 0), counters(1.0, 1.0, 1.0),      # contended: 1 s waited over 1 s x 2 threads
+    script = [counters(0, 0, 0), counters(0, 0, 0), counters(0, 0, 0), counters(0, 0, 0),  # warm-up, a long step: no trial
+              counters(0, 0, 0), counters(1.0, 1.0, 1.0),      # contended: 1 s waited over 1 s x 2 threads
               counters(1.0, 1.0, 1.0), counters(1.0, 2.0, 2.0),  # the neighbour still there
               counters(1.0, 2.0, 2.0), counters(1.0, 2.0, 3.0)]  # gone: nothing else ran
-    callback = CPUThreads(environ={}, sample=lambda: script.pop(0))
-    module, trainer = FakeModule(SMALL_MODEL_PARAMETERS), type("T", (), {"num_devices": 1})()
-    threads = []
-    try:
-        callback.on_fit_start(trainer, module)
-        assert torch.get_num_threads() == 2
-        for step in range(3):
-            callback.on_train_batch_start(trainer, module, None, step)
-            callback.on_train_batch_end(trainer, module, None, None, step)
-            threads.append(torch.get_num_threads())
-        assert threads == [1, 1, 2]
-        assert [v for k, v in module.logged if k == "cpu/wait_frac"] == [0.5, 0.0, 0.0]
-        callback.teardown(trainer, module, "fit")
-        assert torch.get_num_threads() == 1  # conftest's count, put back
-    finally:
-        torch.set_num_threads(1)
+    callback, module = CPUThreads(environ={}, sample=lambda: script.pop(0)), FakeModule(10)
+    callback.on_fit_start(two_cores, module)
+    assert torch.get_num_threads() == 2
+    assert _run_steps(callback, module, two_cores, 5)[2:] == [2, 1, 1, 2]
+    assert [v for k, v in module.logged if k == "cpu/wait_frac"] == [0.5, 0.0, 0.0]
+    callback.teardown(two_cores, module, "fit")
+    assert torch.get_num_threads() == 1  # conftest's count, put back

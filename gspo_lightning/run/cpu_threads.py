@@ -1,17 +1,21 @@
-"""How many CPU threads a run's torch uses: chosen from the model and the machine, then kept in
+"""How many CPU threads a run's torch uses: measured on the run's own first steps, then kept in
 step with what other processes leave free.
 
-Two facts measured on 2 cores (``docs/reliability.md``, "CPU threads"):
+Three facts measured on 2 cores (``docs/reliability.md``, "CPU threads"):
 
-- a small model is fastest on one thread: a step is thousands of tiny operations and every
-  parallel region pays to wake and join the other threads. Below :data:`SMALL_MODEL_PARAMETERS`
-  a run uses one thread, whatever the load;
-- a larger model is fastest on all cores with OpenMP's default wait policy (a waiting thread
-  spins a few ms before it sleeps), and 5-8x slower that way beside one busy process, when a
-  spinning or descheduled thread holds up every parallel region. So the count follows the load:
-  when this process's threads wait for a core (the kernel's per-thread run-queue delay,
-  ``/proc/self/task/*/schedstat``) the count drops to this process's share of the cores; when
-  other processes leave cores idle again (``/proc/stat``) it goes back up.
+- whether a second thread pays depends on the work, not only on the model: the quickstart's
+  0.08M model is as fast on one thread as on two (128 responses of 6 tokens), the same shape
+  with 64 responses of 16-128 tokens after 48-token prompts is 1.2-1.4x faster on two. So a run
+  whose steps are short (:data:`TRIAL_BELOW_STEP_S`) times a few steps on all its cores, then a
+  few on one, and keeps one unless all cores are clearly faster (:data:`KEEP_MORE_IF`); a run
+  with long steps (large operations, which split well) keeps all its cores without the trial;
+- on all cores, OpenMP's default wait policy (a waiting thread spins a few ms before it sleeps)
+  is the fastest alone, and 5-8x slower beside one busy process, when a spinning or descheduled
+  thread holds up every parallel region. So the count follows the load: when this process's
+  threads wait for a core (the kernel's per-thread run-queue delay, ``/proc/self/task/*/schedstat``)
+  the count drops to this process's share of the cores; when other processes leave cores idle
+  again (``/proc/stat``) it goes back up;
+- one thread loses least beside a busy process: a run that chose one stays on one.
 
 ``OMP_NUM_THREADS`` set by the user always wins: the rule then does nothing. A count that follows
 the load can change a float sum's order between two runs; pin it for bitwise-reproducible runs.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +34,14 @@ from typing import Callable, Mapping, Optional
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-# below this many parameters (embeddings included: a large vocabulary makes the head's matmul long)
-# one thread is faster, alone and beside a busy process. Measured on 2 cores: the quickstart's 0.08M
-# model is as fast on one thread as on two, the benchmark grid's 0.6M model 1.4x slower; the line sits between
-SMALL_MODEL_PARAMETERS = 200_000
+# a run whose median step on all cores is shorter than this also times one thread: its operations
+# may be too small to split, and a trial of a few steps costs little (a long step's operations split well)
+TRIAL_BELOW_STEP_S = 1.0
+# steps timed per count (at least, and over at least TRIAL_S), after the run's first step (warm-up)
+TRIAL_STEPS = 3
+TRIAL_S = 0.3
+# all cores are kept only when their median step is under this share of one thread's
+KEEP_MORE_IF = 0.9
 # share of the threads' time spent waiting for a core above which the count drops
 CONTENDED = 0.15
 # decide over at least this much training time: /proc/stat counts in 10 ms ticks
@@ -52,12 +61,14 @@ def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(1, cores)
 
 
-def threads_for(parameters: int, cores: int, ranks_on_machine: int = 1) -> int:
-    """The most threads a rank uses: one for a model under :data:`SMALL_MODEL_PARAMETERS`, else
-    its share of the cores."""
-    if parameters < SMALL_MODEL_PARAMETERS:
-        return 1
+def threads_for(cores: int, ranks_on_machine: int = 1) -> int:
+    """The most threads a rank uses: its share of the cores."""
     return max(1, cores // max(1, ranks_on_machine))
+
+
+def trial_verdict(step_s_most: list[float], step_s_one: list[float]) -> bool:
+    """Whether all cores stay after the trial: their median step clearly under one thread's."""
+    return statistics.median(step_s_most) < KEEP_MORE_IF * statistics.median(step_s_one)
 
 
 def next_thread_count(current: int, most: int, cores: int, waiting: float, others_cores: float) -> int:
@@ -109,22 +120,15 @@ def user_sets_threads(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("OMP_NUM_THREADS", "").strip())
 
 
-def count_parameters(model) -> int:
-    """Parameters of the model, each tensor once (tied embeddings counted once)."""
-    seen, total = set(), 0
-    for parameter in model.parameters():
-        if id(parameter) not in seen:
-            seen.add(id(parameter))
-            total += parameter.numel()
-    return total
-
-
 class CPUThreads(Callback):
     """Sets torch's thread count once the policy is built, before the first rollout (the engine
-    starts after this callback's ``on_fit_start``); above one thread, re-decides it from the load
-    of each window of training steps (logged: ``cpu/threads``; per window ``cpu/wait_frac``, the share
-of our threads' time spent waiting for a core, and ``cpu/others_cores``, the cores others kept busy). The previous count comes back
-    when the run ends: torch's count is the whole process's."""
+    starts after this callback's ``on_fit_start``): the rank's share of the cores. A run with short
+    steps then times a few on one thread and keeps the faster count (printed with both times;
+    logged once as ``cpu/trial_step_s_all`` and ``cpu/trial_step_s_one``). Above one thread, the count
+    is re-decided from the load of each window of training steps (logged: ``cpu/threads``; per
+    window ``cpu/wait_frac``, the share of our threads' time spent waiting for a core, and
+    ``cpu/others_cores``, the cores others kept busy). The previous count comes back when the run
+    ends: torch's count is the whole process's."""
 
     def __init__(self, environ: Optional[Mapping[str, str]] = None,
                  sample: Callable[[], Optional[CPUSample]] = sample_cpu) -> None:
@@ -132,6 +136,8 @@ of our threads' time spent waiting for a core, and ``cpu/others_cores``, the cor
         self.sample = sample
         self.most = self.cores = 0
         self.previous: Optional[int] = None
+        self.trial: Optional[dict[int, list[float]]] = None  # step seconds per count, while the trial runs
+        self.steps_done = 0
         self.window: Optional[CPUSample] = None  # the window's start
         self.step_start: Optional[CPUSample] = None
         self.window_wall = self.window_waiting = 0.0
@@ -141,13 +147,42 @@ of our threads' time spent waiting for a core, and ``cpu/others_cores``, the cor
 
         if self.previous is not None or pl_module.policy is None or user_sets_threads(self.environ):
             return
-        parameters, self.cores = count_parameters(pl_module.policy), usable_cores()
-        self.most = threads_for(parameters, self.cores, trainer.num_devices if trainer.num_devices > 0 else 1)
+        self.cores = usable_cores()
+        self.most = threads_for(self.cores, trainer.num_devices if trainer.num_devices > 0 else 1)
+        self.trial = {self.most: [], 1: []} if self.most > 1 else None
+        self.steps_done = 0
         self.previous = torch.get_num_threads()
         torch.set_num_threads(self.most)
-        rank_zero_info(f"CPU threads: {self.most} per rank (policy {parameters / 1e6:.1f}M parameters, {self.cores} cores"
-                       f"{', fewer while other processes need the cores' if self.most > 1 else ''}; "
+        rank_zero_info(f"CPU threads: {self.most} per rank ({self.cores} cores"
+                       f"{'; the first steps time one thread against them' if self.trial else ''}; "
                        "OMP_NUM_THREADS=N sets it yourself)")
+
+    def _trial_step(self, pl_module, threads: int, seconds: float) -> None:
+        """One more step of the trial: all cores first, then one thread; then the verdict."""
+        import torch
+
+        self.steps_done += 1
+        if self.steps_done == 1:
+            return  # the run's first step warms allocators and caches: not timed
+        times = self.trial[threads]
+        times.append(seconds)
+        if threads == self.most and seconds >= TRIAL_BELOW_STEP_S:
+            self.trial = None  # long steps: large operations, which split well; no trial
+            return
+        if len(times) < TRIAL_STEPS or sum(times) < TRIAL_S:
+            return
+        if threads == self.most:
+            torch.set_num_threads(1)
+            return
+        most_s, one_s = statistics.median(self.trial[self.most]), statistics.median(times)
+        keep = trial_verdict(self.trial[self.most], times)
+        torch.set_num_threads(self.most if keep else 1)
+        rank_zero_info(f"CPU threads: {self.most if keep else 1} per rank (a step took {most_s:.3f} s on {self.most} "
+                       f"threads, {one_s:.3f} s on 1)")
+        pl_module.log_dict({"cpu/trial_step_s_all": most_s, "cpu/trial_step_s_one": one_s}, on_step=True, on_epoch=False)
+        if not keep:
+            self.most = 1  # one thread also loses least beside a busy process: it stays
+        self.trial = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._apply(trainer, pl_module)
@@ -161,7 +196,8 @@ of our threads' time spent waiting for a core, and ``cpu/others_cores``, the cor
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.most > 1:
             self.step_start = self.sample()
-            self.window = self.window or self.step_start
+            if self.trial is None:
+                self.window = self.window or self.step_start
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         import torch
@@ -173,6 +209,10 @@ of our threads' time spent waiting for a core, and ``cpu/others_cores``, the cor
             self.most = 0  # no counters here: keep the count as it is
             return
         threads = torch.get_num_threads()
+        if self.trial is not None:
+            self._trial_step(pl_module, threads, end.wall_s - self.step_start.wall_s)
+            pl_module.log("cpu/threads", float(threads), on_step=True, on_epoch=False)
+            return
         self.window_wall += end.wall_s - self.step_start.wall_s
         self.window_waiting += end.waiting_since(self.step_start)
         if self.window_wall >= WINDOW_S:
@@ -191,8 +231,8 @@ of our threads' time spent waiting for a core, and ``cpu/others_cores``, the cor
 
         if self.previous is not None and torch.get_num_threads() != self.previous:
             torch.set_num_threads(self.previous)
-        self.previous, self.most, self.window = None, 0, None
+        self.previous, self.most, self.window, self.trial = None, 0, None, None
 
 
-__all__ = ["CPUThreads", "SMALL_MODEL_PARAMETERS", "count_parameters", "next_thread_count", "sample_cpu",
-           "threads_for", "usable_cores", "user_sets_threads"]
+__all__ = ["CPUThreads", "next_thread_count", "sample_cpu", "threads_for", "trial_verdict",
+           "usable_cores", "user_sets_threads"]
