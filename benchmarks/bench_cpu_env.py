@@ -30,6 +30,7 @@ BUSY = "import torch\ntorch.set_num_threads(1)\na = torch.randn(384, 384)\nwhile
 ARMS = {
     "shipped": {},
     "2 threads": {"OMP_NUM_THREADS": "2"},  # OpenMP's default wait policy (spin ~3 ms, then sleep)
+    "1 thread": {"OMP_NUM_THREADS": "1"},
     "passive, 2 threads": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"},  # the `gspo` command before issue 41
     "passive, 1 thread": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"},
     "active, 2 threads": {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "2"},
