@@ -87,7 +87,11 @@ def main() -> None:
     if args.grid_cell:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         args.config = grid_cell_config(args.grid_cell, Path(tempfile.mkdtemp(prefix="bench_cpu_env_")))
-    results = {"grid_cell": args.grid_cell, "load_before": os.getloadavg(), "cores": os.cpu_count(), "config": str(args.config), "arms": args.arms}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_grid import stamp
+
+    results = {"stamp": {**stamp(), "command": " ".join(["python", "benchmarks/bench_cpu_env.py", *sys.argv[1:]])},
+               "grid_cell": args.grid_cell, "load_before": os.getloadavg(), "cores": os.cpu_count(), "config": str(args.config), "arms": args.arms}
     for load in ("as is", "busy neighbour"):
         busy = subprocess.Popen([sys.executable, "-c", BUSY], env=clean_env()) if load == "busy neighbour" else None
         try:
