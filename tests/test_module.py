@@ -181,7 +181,6 @@ def test_a_model_loaded_from_a_folder_trains_in_train_mode_with_working_checkpoi
     from gspo_lightning.data.tasks import save_tiny
 
     folder = save_tiny("builtin:tiny-echo", tmp_path / "saved")
-    counts = {}
 
     def run(checkpointing):
         module = make_module(model_name_or_path=str(folder), gradient_checkpointing=checkpointing,
