@@ -1,5 +1,5 @@
 """The callbacks every GSPO run gets (``GSPOModule.configure_callbacks``), whatever built the
-trainer: CPU threads chosen by the model's size, training curves, held-out results on the console, the preemption checkpoint, and
+trainer: CPU threads chosen from the run's own first steps, training curves, held-out results on the console, the preemption checkpoint, and
 the project's progress bar and run summary in place of Lightning's of the same kind."""
 
 from __future__ import annotations
