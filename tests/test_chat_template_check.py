@@ -57,3 +57,35 @@ def test_no_warning_when_template_and_setting_agree(tiny_echo, caplog):
         setup_data(tiny_echo[1], "builtin:tiny-echo")  # the tiny models' template is for tests only
     assert warnings_of(caplog) == []
     assert dm.train_rows[0]["prompt_text"].startswith("<|im_start|>user\n")
+
+
+def test_episode_runs_render_prompts_themselves_so_the_setting_is_not_warned_about(tiny_echo, caplog):
+    """Multi-turn episodes always render with the chat template (and the tools): the data
+    module's use_chat_template is not theirs to follow, and a warning about it would mislead."""
+    tokenizer = copy.deepcopy(tiny_echo[1])
+    tokenizer.chat_template = INSTRUCT_TEMPLATE
+    with caplog.at_level(logging.WARNING, logger="gspo_lightning.data"):
+        setup_data(tokenizer, "my-instruct-model", episodes=True)
+    assert warnings_of(caplog) == []
+
+
+def test_a_system_prompt_in_an_episode_run_is_refused_naming_where_it_goes():
+    with pytest.raises(ValueError, match="system_prompt is not used in multi-turn episodes.*first_messages"):
+        PromptDataModule(path="builtin:echo", system_prompt="Be brief.", episodes=True)
+
+
+@pytest.mark.parametrize("config, episodes", [("episodes_lookup.yaml", True), ("smollm2_tools_cpu.yaml", True),
+                                               ("quickstart.yaml", False), ("smollm2_cpu.yaml", False)])
+def test_the_gspo_command_tells_the_data_module_when_the_model_runs_episodes(config, episodes):
+    from pathlib import Path
+
+    from gspo_lightning.run.command import GSPOCLI
+    from gspo_lightning.training.module import GSPOModule
+
+    class ParseOnly(GSPOCLI):
+        def instantiate_classes(self) -> None:  # parsing only: the models stay unloaded
+            pass
+
+    path = Path(__file__).resolve().parents[1] / "configs" / config
+    cli = ParseOnly(GSPOModule, PromptDataModule, run=False, args=["--config", str(path)], auto_configure_optimizers=False)
+    assert cli.config.data.episodes is episodes

@@ -176,6 +176,10 @@ class PromptDataModule(L.LightningDataModule):
         shuffle: reshuffle the prompts on every pass.
         seed: seed of the shuffling and of builtin task rows.
         val_batch_size: prompts per validation (and test) batch.
+        episodes: the model runs multi-turn episodes (``model.episodes``; the ``gspo`` command
+            sets it), which render every prompt with the chat template and the tools themselves:
+            ``use_chat_template`` is not consulted, and ``system_prompt`` is refused (a system
+            message goes first in the environment's ``first_messages``).
     """
 
     def __init__(
@@ -197,8 +201,14 @@ class PromptDataModule(L.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         val_batch_size: int = 32,
+        episodes: bool = False,
     ):
         super().__init__()
+        if episodes and system_prompt:
+            raise ValueError("data.system_prompt is not used in multi-turn episodes (model.episodes renders each "
+                             "prompt with the chat template and the tools itself): put the system message first in "
+                             "the environment's first_messages (ToolEnvironment), or start the rows' chat messages "
+                             "with it, and remove data.system_prompt")
         if rollout_batch_size < 1:
             raise ValueError(f"data.rollout_batch_size must be >= 1, got {rollout_batch_size}")
         if prompt_length < 1:
@@ -261,7 +271,7 @@ class PromptDataModule(L.LightningDataModule):
     def _prepare(self, rows: list[dict], source: str) -> tuple[list[dict], dict[str, int]]:
         hp = self.hparams
         tokenizer = self._get_tokenizer()
-        if hp.messages_field is None and rows and not isinstance(rows[0].get(hp.prompt_field), list):
+        if not hp.episodes and hp.messages_field is None and rows and not isinstance(rows[0].get(hp.prompt_field), list):
             warn_chat_template_mismatch(tokenizer, hp.use_chat_template, hp.tokenizer)  # text prompts only
         kept, counts = [], {"truncated": 0, "dropped": 0, "bad": 0}
         for index, row in enumerate(rows):

@@ -68,6 +68,8 @@ class GSPOCLI(LightningCLI):
         parser.link_arguments(("model.model_name_or_path", "model.gguf_file"), "data.tokenizer", compute_fn=tokenizer_source)
         parser.link_arguments("data.prompt_length", "model.prompt_length")
         parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
+        # episodes render their prompts themselves: the data module's chat-template settings do not apply
+        parser.link_arguments("model.episodes", "data.episodes", compute_fn=lambda episodes: episodes is not None)
 
     def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
