@@ -58,15 +58,17 @@ def write_config(folder: Path, max_steps: int, response_length: int = 5, **model
 
 
 def metric_rows(folder: Path) -> dict[float, dict[str, str]]:
-    """policy_version -> logged row, over all runs in the folder, without wall-clock metrics
-    and without values not measured at that step (NaN: a resumed process has not seen the key yet)."""
+    """policy_version -> logged row, over all runs in the folder, without wall-clock and machine-load
+    metrics (``cpu/``: the thread rule times its own first steps, so a resumed process may pick
+    another count for a while) and without values not measured at that step (NaN: a resumed
+    process has not seen the key yet)."""
     rows = {}
     for file in sorted(folder.glob("csv/version_*/metrics.csv")):
         with open(file) as handle:
             for row in csv.DictReader(handle):
                 if row.get("policy_version"):
                     rows[float(row["policy_version"])] = {
-                        k: v for k, v in row.items() if v and v != "nan" and not k.startswith(("time/", "perf/")) and k != "step"}
+                        k: v for k, v in row.items() if v and v != "nan" and not k.startswith(("time/", "perf/", "cpu/")) and k != "step"}
     return rows
 
 

@@ -33,7 +33,7 @@ class StepMetrics(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rows[pl_module.rollout_steps] = {
-            k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/")) and k != "step_s"}
+            k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/", "cpu/")) and k != "step_s"}
 
 
 def any_echo_reward(prompts, completions, target, **columns) -> list[float]:

@@ -163,7 +163,7 @@ def run_case(strategy_name: str, case: str, out_dir: str):
     else:
         calls = [engine.calls]
     if trainer.global_rank == 0:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/"))}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith(("time/", "perf/", "cpu/"))}
         out = os.path.join(out_dir, f"{case}.pt")
         torch.save({"state": state, "initial": initial, "metrics": metrics, "world": world,
                     "grad_sync": module.grad_sync.mode, "calls": calls}, out)
