@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Optional
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-# a run whose median step on all cores is shorter than this also times one thread: its operations
+# a run whose first timed step on all cores is shorter than this also times one thread: its operations
 # may be too small to split, and a trial of a few steps costs little (a long step's operations split well)
 TRIAL_BELOW_STEP_S = 1.0
 # steps timed per count (at least, and over at least TRIAL_S), after the run's first step (warm-up)
