@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, help="first steps of a run left out (default: per model size)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the TRL child (torch's default: all cores)")
     parser.add_argument("--our-threads", type=int, default=0,
-                        help="OMP_NUM_THREADS of our run (default 0: unset, the `gspo` command chooses by the model's size)")
+                        help="OMP_NUM_THREADS of our run (default 0: unset, the `gspo` command chooses: run/cpu_threads.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--frameworks", default="gspo,trl")
     parser.add_argument("--source", default=None, help="GSM8K jsonl for the prompts (default: the package's subset)")
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                                            args.profile, warmup) if framework == "gspo" else None
                     if args.wait_quiet > 0:
                         wait_for_quiet(args.wait_quiet)
-                    result = run_child(framework, cfg, args.timeout, gspo_cfg)
+                    result = run_child(framework, cfg, args.timeout, gspo_cfg, our_threads=args.our_threads)
                     cell["runs"][framework].append(result)
                     print(f"[{cell_name}] {framework} run {rep + 1}: median step "
                           f"{median(result['step_wall_s'][warmup:]):.3f}s, peak RSS {result['process_peak_rss_mib']:.0f} MiB, "
