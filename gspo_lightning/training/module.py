@@ -34,6 +34,7 @@ from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
 from gspo_lightning.episodes.runner import MultiTurn, check_episode_objective
+from gspo_lightning.models.cpu_attention import group_attention_on_cpu
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
@@ -343,6 +344,7 @@ class GSPOModule(L.LightningModule):
     # -- the run's lifecycle -----------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.configure_model()
+        group_attention_on_cpu(self.trainer.strategy.root_device)  # no key/value copies per query head
         if self.worker.rewards is None:
             raise ValueError("no reward functions configured: set model.rewards, e.g. "
                              "[{function: gspo_lightning.rewards.math_accuracy}]")
