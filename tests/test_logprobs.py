@@ -147,3 +147,26 @@ def test_models_with_logit_softcapping_take_the_naive_path(tiny_echo):
         assert not supports_chunked(model)
     finally:
         model.config.final_logit_softcapping = None
+
+
+def test_cache_rows_are_chosen_as_transformers_chooses_them_with_a_cheaper_backward(tiny_gsm8k):
+    """select_cache_rows: each layer's keys and values are transformers' batch_select_indices' own, and
+    gradients flow back to the prompt pass through index_select (not the accumulating index_put)."""
+    from gspo_lightning.models.hf_cache import cache_kwargs, output_cache, select_cache_rows
+
+    model, tok = tiny_gsm8k
+    ids, attn, prompt = batch(tok, len(tok), rows=2, group=1)
+    rows = torch.tensor([1, 0, 1, 1])
+
+    def prompt_cache():
+        out = model.get_decoder()(input_ids=ids[:, :prompt], attention_mask=attn[:, :prompt], use_cache=True)
+        return output_cache(out)
+
+    ours, theirs = prompt_cache(), prompt_cache()
+    select_cache_rows(ours, rows)
+    theirs.batch_select_indices(rows)
+    assert type(ours.layers[0]).__name__ == "DynamicLayer" and len(ours.layers) == len(theirs.layers)
+    for mine, reference in zip(ours.layers, theirs.layers):
+        assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
+        assert mine.keys.grad_fn.name() == "IndexSelectBackward0"
+    assert cache_kwargs(model.get_decoder(), ours)  # still a cache the decoder takes

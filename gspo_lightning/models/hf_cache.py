@@ -1,4 +1,5 @@
-"""The KV cache's argument and output name of Hugging Face models, across transformers versions.
+"""The KV cache's argument and output name of Hugging Face models, across transformers versions,
+and the choice of its rows.
 
 transformers 5.24 renamed ``past_key_values`` to ``cache``, in a model's ``forward`` and in its
 outputs; the old name still works there with a FutureWarning and goes in 5.40. Older versions
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 from typing import Any
+
+from torch import Tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,4 +33,20 @@ def output_cache(out: Any) -> Any:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-__all__ = ["cache_kwargs", "output_cache"]
+def select_cache_rows(cache: Any, rows: Tensor) -> None:
+    """Keep ``rows`` (an index per new row, repeats allowed) of every layer's keys and values, in place.
+
+    transformers' ``batch_select_indices`` indexes with ``keys[rows]``, whose backward accumulates
+    through ``index_put_``: 5-7x slower on CPU than ``index_select``'s (0.35 vs 0.07 ms per tensor at
+    8 prompts x 8 samples x 48 tokens), once per layer for keys and values in every training forward
+    that shares prompts. Layers of another kind keep transformers' own method."""
+    for layer in getattr(cache, "layers", None) or ():
+        if type(layer).__name__ != "DynamicLayer" or not isinstance(getattr(layer, "keys", None), Tensor):
+            cache.batch_select_indices(rows)
+            return
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+
+
+__all__ = ["cache_kwargs", "output_cache", "select_cache_rows"]

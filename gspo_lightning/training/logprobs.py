@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
+from gspo_lightning.models.hf_cache import cache_kwargs, output_cache, select_cache_rows
 from gspo_lightning.rollout.sampling import keep_mask
 
 # Response logits up to this size (float32 bytes, all rows) are projected in one piece and
@@ -226,10 +226,10 @@ def response_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: 
                       use_cache=True)
         cache = output_cache(out)
         if cache is not None and not any(getattr(cache, "is_sliding", None) or []):
-            first = out.last_hidden_state[inverse, -1:]  # the last prompt position predicts response token 0
+            first = out.last_hidden_state[:, -1:].index_select(0, inverse)  # the last prompt position predicts response token 0
             if input_ids.shape[1] == prompt_width + 1:
                 return first
-            cache.batch_select_indices(inverse)  # differentiable indexing: gradients reach the prompt pass
+            select_cache_rows(cache, inverse)  # differentiable: gradients reach the prompt pass
             rest = decoder(input_ids=input_ids[:, prompt_width:-1], attention_mask=attention_mask[:, :-1],
                            position_ids=position_ids_from_mask(attention_mask)[:, prompt_width:-1],
                            use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state
