@@ -10,7 +10,7 @@ from gspo_lightning.rollout import hf
 from gspo_lightning.rollout.engine import EngineSpec, SamplingParams
 from gspo_lightning.rollout.hf import HFEngine
 from gspo_lightning.rollout.kv_decode import kv_cache_bytes_per_token
-from gspo_lightning.training.update import plan_batches
+from gspo_lightning.training.update import no_grad_micro_batch, plan_batches
 
 
 def plan(micro=None, tokens=None, prompts=4, group=8, world=1):
@@ -30,6 +30,40 @@ def test_null_micro_batch_holds_at_most_8192_tokens():
     # an explicit size wins, and an unknown width keeps the whole mini-batch
     assert plan(micro=5, tokens=96 + 4000) == (32, 5)
     assert plan(tokens=None) == (32, 32)
+
+
+def test_passes_without_gradients_take_the_token_budget_across_mini_batches():
+    # the quickstart: 128 responses of 8 + 6 tokens, mini-batches of 32: 585 fit, so one forward of all 128
+    assert no_grad_micro_batch(None, 32, 128, 8 + 6) == 128
+    # 64 responses of 96 + 160 tokens: 32 fit in 8192, more than the planned 8
+    assert no_grad_micro_batch(None, 8, 64, 96 + 160) == 32
+    # never fewer than the grad passes take, even when the budget holds fewer
+    assert no_grad_micro_batch(None, 16, 64, 96 + 4000) == 16
+    # a micro_batch_size the user set is a memory bound: kept; an unknown width keeps the plan
+    assert no_grad_micro_batch(4, 4, 128, 8 + 6) == 4
+    assert no_grad_micro_batch(None, 32, 128, None) == 32
+
+
+def test_the_old_policy_pass_runs_one_forward_per_budget_not_per_mini_batch(tiny_echo):
+    """4 mini-batches of 8 (the paper's schedule) over 32 short responses: the old-policy pass is one forward."""
+    from types import SimpleNamespace
+
+    module = GSPOModule(model_name_or_path="builtin:tiny-echo", num_return_sequences_in_group=8, response_length=6,
+                        prompt_length=8, num_mini_batches=4)
+    module.configure_model()
+    module._build_updater(4)
+    assert module.updater.settings.micro_batch_size == 8
+    ids = torch.randint(3, module.policy.config.vocab_size, (32, 14), generator=torch.Generator().manual_seed(2))
+    rollout = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids), prompt_width=8, num_responses=32)
+    seen = []
+    hook = module.policy.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]),
+                                                                 with_kwargs=True)
+    try:
+        logprobs = module._logprobs_no_grad(module.policy, rollout)
+    finally:
+        hook.remove()
+    assert logprobs.shape == (32, 6) and seen[-1] == 32  # one response pass over all rows (after the shared prompt pass)
+    assert len(seen) <= 2
 
 
 @pytest.mark.filterwarnings("ignore:one optimizer step per rollout")

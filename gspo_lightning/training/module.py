@@ -62,7 +62,7 @@ from gspo_lightning.training.metrics import StepMetrics, step_values
 from gspo_lightning.training.checkpointing import drop_frozen_weights, restore_frozen_weights, run_state
 from gspo_lightning.training.rank_state import gather_objects, restore_rank_state
 from gspo_lightning.training.strategy_ops import StrategyOps
-from gspo_lightning.training.update import MetricHook, PolicyUpdater, update_settings
+from gspo_lightning.training.update import MetricHook, PolicyUpdater, no_grad_micro_batch, update_settings
 
 __all__ = ["GSPOModule", "NonFiniteError"]
 
@@ -440,7 +440,11 @@ class GSPOModule(L.LightningModule):
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:
         """Log-probs of every response in micro-batches (old policy / reference passes)."""
-        micro = self.updater.settings.micro_batch_size if self.updater is not None else rollout.num_responses
+        hp = self.hparams
+        # the configured width (an episode's rows hold several turns: no such bound there)
+        width = hp.prompt_length + hp.response_length if hp.prompt_length and self.episodes is None else None
+        micro = rollout.num_responses if self.updater is None else no_grad_micro_batch(
+            hp.micro_batch_size, self.updater.settings.micro_batch_size, rollout.num_responses, width)
         rows = torch.arange(rollout.num_responses, device=self.device)
         was_training = model.training
         model.eval()

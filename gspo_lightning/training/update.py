@@ -186,6 +186,21 @@ def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini
     return mini, micro
 
 
+def no_grad_micro_batch(micro_batch_size: Optional[int], planned_micro: int, num_responses: int,
+                        tokens_per_response: Optional[int]) -> int:
+    """Responses per forward of a pass without gradients (the old policy's, the reference's).
+
+    Such a pass keeps no activations for a backward, so with ``micro_batch_size`` unset it takes as
+    many responses as :data:`MICRO_BATCH_TOKENS` tokens hold, across mini-batch bounds: the
+    quickstart's 128 responses in one forward instead of 4 (each forward of a small model costs
+    more in dispatch than in arithmetic). A ``micro_batch_size`` the user set is a memory bound and
+    holds here too. ``tokens_per_response`` is the configured width, the same on every rank, so
+    sharded ranks run as many forwards as each other (``None``: ``planned_micro``)."""
+    if micro_batch_size is not None or not tokens_per_response:
+        return planned_micro
+    return max(planned_micro, min(num_responses, MICRO_BATCH_TOKENS // tokens_per_response))
+
+
 def update_settings(config: Mapping, prompts_per_step: int, world: int, *, clip_low: float, clip_high: float,
                     warn_no_clip: bool = False) -> UpdateSettings:
     """The update loop's settings from a module's config (``GSPOModule``'s arguments): the
