@@ -130,7 +130,8 @@ class GSPOModule(L.LightningModule):
             precedence over ``num_mini_batches``.
         micro_batch_size: responses per forward/backward on each rank, also in the no-grad
             old-policy and reference passes (``null``: the fewest equal micro-batches of at most
-            8192 tokens, counting ``prompt_length + response_length`` per response); a memory knob
+            8192 tokens, counting ``prompt_length + response_length`` per response; the no-grad
+            passes then take up to 8192 tokens per forward across mini-batches); a memory knob
             that leaves the gradient unchanged, except the MoE load-balancing loss, which is a
             mean per micro-batch.
         max_grad_norm: gradient norm clip (``null``: off).
