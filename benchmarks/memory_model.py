@@ -192,7 +192,7 @@ class Run:
 
 
 # -- activations ----------------------------------------------------------------------------
-def layer_saved_bytes(shape: Shape, b: int, queries: int, kv_tokens: int, mask_elements: int) -> int:
+def layer_saved_bytes(shape: Shape, b: int, queries: int, kv_tokens: int, mask_elements: int, grouped: bool = False) -> int:
     """Bytes autograd saves in one Qwen3 decoder layer (transformers 5, sdpa) for ``queries``
     query tokens attending over ``kv_tokens`` key tokens (summed over rows), ``b`` the dtype
     size, ``mask_elements`` the query x key positions of the padding mask (summed over rows).
@@ -205,9 +205,10 @@ def layer_saved_bytes(shape: Shape, b: int, queries: int, kv_tokens: int, mask_e
     log-sum-exp (its output is laid out so that o_proj's input is the same storage); sdpa
     turns the shared boolean padding mask into an additive mask in the dtype and saves it, in
     every layer; the SwiGLU MLP saves gate, act, up and their product; plus float32 rsqrt
-    rows of each norm."""
+    rows of each norm. ``grouped``: sdpa takes the key/value heads as they are (``enable_gqa``,
+    what CPU runs use: gspo_lightning/models/cpu_attention.py), no repeated copies."""
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    repeated = q if shape.heads > shape.kv_heads else kv
+    repeated = q if shape.heads > shape.kv_heads and not grouped else kv
     t = queries
     norms = 2 * (4 + 2 * b) * t * h + (4 + b) * t * (q + kv if shape.qk_norm else 0)
     attention = b * t * q * 2 + 2 * b * kv_tokens * repeated + 4 * t * shape.heads + b * mask_elements  # q, out; k, v; lse

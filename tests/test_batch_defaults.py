@@ -33,15 +33,15 @@ def test_null_micro_batch_holds_at_most_8192_tokens():
 
 
 def test_passes_without_gradients_take_the_token_budget_across_mini_batches():
-    # the quickstart: 128 responses of 8 + 6 tokens, mini-batches of 32: 585 fit, so one forward of all 128
-    assert no_grad_micro_batch(None, 32, 128, 8 + 6) == 128
-    # 64 responses of 96 + 160 tokens: 32 fit in 8192, more than the planned 8
-    assert no_grad_micro_batch(None, 8, 64, 96 + 160) == 32
+    # the quickstart: responses of 8 + 6 tokens, mini-batches of 32: 585 fit, so one forward of all 128
+    assert no_grad_micro_batch(None, 32, 8 + 6) == 585
+    # responses of 96 + 160 tokens: 32 fit in 8192, more than the planned 8
+    assert no_grad_micro_batch(None, 8, 96 + 160) == 32
     # never fewer than the grad passes take, even when the budget holds fewer
-    assert no_grad_micro_batch(None, 16, 64, 96 + 4000) == 16
+    assert no_grad_micro_batch(None, 16, 96 + 4000) == 16
     # a micro_batch_size the user set is a memory bound: kept; an unknown width keeps the plan
-    assert no_grad_micro_batch(4, 4, 128, 8 + 6) == 4
-    assert no_grad_micro_batch(None, 32, 128, None) == 32
+    assert no_grad_micro_batch(4, 4, 8 + 6) == 4
+    assert no_grad_micro_batch(None, 32, None) == 32
 
 
 def test_the_old_policy_pass_runs_one_forward_per_budget_not_per_mini_batch(tiny_echo):
@@ -52,7 +52,7 @@ def test_the_old_policy_pass_runs_one_forward_per_budget_not_per_mini_batch(tiny
                         prompt_length=8, num_mini_batches=4)
     module.configure_model()
     module._build_updater(4)
-    assert module.updater.settings.micro_batch_size == 8
+    assert module.updater.settings.micro_batch_size == 8 and module.updater.settings.no_grad_micro_batch_size == 585
     ids = torch.randint(3, module.policy.config.vocab_size, (32, 14), generator=torch.Generator().manual_seed(2))
     rollout = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids), prompt_width=8, num_responses=32)
     seen = []
@@ -64,6 +64,18 @@ def test_the_old_policy_pass_runs_one_forward_per_budget_not_per_mini_batch(tiny
         hook.remove()
     assert logprobs.shape == (32, 6) and seen[-1] == 32  # one response pass over all rows (after the shared prompt pass)
     assert len(seen) <= 2
+
+
+@pytest.mark.filterwarnings("ignore:one optimizer step per rollout")
+def test_episode_runs_and_unknown_prompt_lengths_keep_the_planned_micro_batches_without_gradients():
+    from gspo_lightning.training.update import update_settings
+
+    module = GSPOModule(model_name_or_path="builtin:tiny-echo", num_return_sequences_in_group=8, response_length=6,
+                        prompt_length=8, num_mini_batches=4)
+    config = dict(module.hparams)
+    assert update_settings(config, 4, 1, clip_low=0.2, clip_high=0.2).no_grad_micro_batch_size == 585
+    assert update_settings(config, 4, 1, clip_low=0.2, clip_high=0.2, episodes=True).no_grad_micro_batch_size == 8
+    assert update_settings({**config, "prompt_length": None}, 4, 1, clip_low=0.2, clip_high=0.2).no_grad_micro_batch_size == 8
 
 
 @pytest.mark.filterwarnings("ignore:one optimizer step per rollout")

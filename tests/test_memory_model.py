@@ -40,10 +40,17 @@ def test_shards_round_each_parameter_up():
     assert mm.shard_numel([(5, 2), (4,)], 2) == 3 * 2 + 2
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_saved_bytes_match_autograd(dtype):
-    """The per-layer count against the tensors autograd actually saves in one Qwen3 layer."""
+def test_layer_saved_bytes_match_autograd(dtype, grouped, monkeypatch):
+    """The per-layer count against the tensors autograd actually saves in one Qwen3 layer, with
+    transformers' default attention (key/value heads copied per query head: GPU runs) and with the
+    grouped call that CPU runs take (models/cpu_attention.py)."""
     from transformers import Qwen3ForCausalLM
+
+    from gspo_lightning.models.cpu_attention import SWITCH
+
+    monkeypatch.setenv(SWITCH, "1" if grouped else "0")
 
     shape = mm.Shape("t", hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=300)
     torch.manual_seed(3)
@@ -75,7 +82,7 @@ def test_layer_saved_bytes_match_autograd(dtype):
     shared |= {t.untyped_storage().data_ptr() for t in layer_inputs["position_embeddings"]}
     measured = sum(v for k, v in saved.items() if k not in shared)
     b = 4 if dtype == torch.float32 else 2
-    predicted = mm.layer_saved_bytes(shape, b, rows * length, rows * length, rows * length * length)
+    predicted = mm.layer_saved_bytes(shape, b, rows * length, rows * length, rows * length * length, grouped=grouped)
     assert predicted == pytest.approx(measured, rel=0.01)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from gspo_lightning.models.lora import frozen_state_keys
 from gspo_lightning.run.loggers import logger_identity
-from gspo_lightning.training.rank_state import rank_states
+from gspo_lightning.training.rank_state import rank_states, restore_rank_state
 
 
 def drop_frozen_weights(checkpoint: dict, module: nn.Module) -> None:
@@ -42,3 +42,32 @@ def run_state(*, policy_version: int, rollout_steps: int, running_rewards, logge
         # every rank's own rollouts generated ahead and data position: Lightning writes rank 0's dict only
         "ranks": rank_states(pending_rollouts, datamodule),
     }
+
+
+class CheckpointHooks:
+    """``GSPOModule``'s Lightning checkpoint hooks: the frozen weights left out and put back, the run's
+    state (:func:`run_state`) saved and restored into the module's counters, updater and rollout source."""
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        drop_frozen_weights(checkpoint, self)  # the reference, LoRA's base: rebuilt from model_name_or_path on load
+        checkpoint["gspo"] = run_state(
+            policy_version=self.policy_version, rollout_steps=self.rollout_steps, running_rewards=self.running_rewards,
+            loggers=self.trainer.loggers, updater_state=self.updater.state_dict() if self.updater is not None else self._updater_state,
+            pending_rollouts=self.rollouts.state_dict() if self.rollouts is not None else None, datamodule=self.trainer.datamodule)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        restore_frozen_weights(checkpoint, self)
+        state = checkpoint.get("gspo")
+        if state:
+            self.policy_version = state["policy_version"]
+            self.rollout_steps = state["rollout_steps"]
+            self.running_rewards.load_state_dict(state["running_rewards"])
+            self._updater_state = {k: state.get(k, 0) for k in ("skipped_updates", "consecutive_nonfinite")}
+            if self.updater is not None:
+                self.updater.load_state_dict(self._updater_state)
+            trainer = self._trainer  # None: loaded outside a fit (load_from_checkpoint)
+            self._pending_rollouts = restore_rank_state(checkpoint, self.global_rank, trainer.world_size if trainer else 1,
+                                                        trainer.datamodule if trainer else None)
+            if self.rollouts is not None and self._pending_rollouts is not None:
+                self.rollouts.load_state_dict(self._pending_rollouts, self.device)
+                self._pending_rollouts = None

@@ -59,15 +59,15 @@ from gspo_lightning.training.distributed import GradientSync, all_ranks_true, al
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
 from gspo_lightning.training.metrics import StepMetrics, step_values
-from gspo_lightning.training.checkpointing import drop_frozen_weights, restore_frozen_weights, run_state
-from gspo_lightning.training.rank_state import gather_objects, restore_rank_state
+from gspo_lightning.training.checkpointing import CheckpointHooks
+from gspo_lightning.training.rank_state import gather_objects
 from gspo_lightning.training.strategy_ops import StrategyOps
-from gspo_lightning.training.update import MetricHook, PolicyUpdater, no_grad_micro_batch, update_settings
+from gspo_lightning.training.update import MetricHook, PolicyUpdater, update_settings
 
 __all__ = ["GSPOModule", "NonFiniteError"]
 
 
-class GSPOModule(L.LightningModule):
+class GSPOModule(CheckpointHooks, L.LightningModule):
     """GSPO (and GRPO-family) training of a causal language model.
 
     Args:
@@ -406,7 +406,8 @@ class GSPOModule(L.LightningModule):
 
     def _build_updater(self, prompts_per_step: int, world: int = 1) -> None:
         settings = update_settings(self.hparams, prompts_per_step, world, clip_low=self.clip_low, clip_high=self.clip_high,
-                                   warn_no_clip=self.hparams.old_logprobs == "recompute" and self.rollout_steps == 0)
+                                   warn_no_clip=self.hparams.old_logprobs == "recompute" and self.rollout_steps == 0,
+                                   episodes=self.episodes is not None)
         state = self.updater.state_dict() if self.updater is not None else self._updater_state
         self.updater = PolicyUpdater(settings, self.step_metrics, self.metric_hooks)
         self.updater.load_state_dict(state)
@@ -441,11 +442,8 @@ class GSPOModule(L.LightningModule):
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:
         """Log-probs of every response in micro-batches (old policy / reference passes)."""
-        hp = self.hparams
-        # the configured width (an episode's rows hold several turns: no such bound there)
-        width = hp.prompt_length + hp.response_length if hp.prompt_length and self.episodes is None else None
-        micro = rollout.num_responses if self.updater is None else no_grad_micro_batch(
-            hp.micro_batch_size, self.updater.settings.micro_batch_size, rollout.num_responses, width)
+        s = self.updater.settings if self.updater is not None else None
+        micro = (s.no_grad_micro_batch_size or s.micro_batch_size) if s is not None else rollout.num_responses
         rows = torch.arange(rollout.num_responses, device=self.device)
         was_training = model.training
         model.eval()
@@ -581,28 +579,3 @@ class GSPOModule(L.LightningModule):
         append_eval_record(self.trainer, self, values)
 
     on_test_epoch_end = on_validation_epoch_end  # the same metrics and record, under test/
-
-    # -- checkpoints -------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        drop_frozen_weights(checkpoint, self)  # the reference, LoRA's base: rebuilt from model_name_or_path on load
-        checkpoint["gspo"] = run_state(
-            policy_version=self.policy_version, rollout_steps=self.rollout_steps, running_rewards=self.running_rewards,
-            loggers=self.trainer.loggers, updater_state=self.updater.state_dict() if self.updater is not None else self._updater_state,
-            pending_rollouts=self.rollouts.state_dict() if self.rollouts is not None else None, datamodule=self.trainer.datamodule)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        restore_frozen_weights(checkpoint, self)
-        state = checkpoint.get("gspo")
-        if state:
-            self.policy_version = state["policy_version"]
-            self.rollout_steps = state["rollout_steps"]
-            self.running_rewards.load_state_dict(state["running_rewards"])
-            self._updater_state = {k: state.get(k, 0) for k in ("skipped_updates", "consecutive_nonfinite")}
-            if self.updater is not None:
-                self.updater.load_state_dict(self._updater_state)
-            trainer = self._trainer  # None: loaded outside a fit (load_from_checkpoint)
-            self._pending_rollouts = restore_rank_state(checkpoint, self.global_rank, trainer.world_size if trainer else 1,
-                                                        trainer.datamodule if trainer else None)
-            if self.rollouts is not None and self._pending_rollouts is not None:
-                self.rollouts.load_state_dict(self._pending_rollouts, self.device)
-                self._pending_rollouts = None

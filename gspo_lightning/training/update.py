@@ -48,6 +48,7 @@ class UpdateSettings:
     mini_batch_size: int  # responses per optimizer step on this rank
     micro_batch_size: int  # responses per forward/backward on this rank
     world_size: int = 1
+    no_grad_micro_batch_size: int = 0  # responses per forward of the no-grad passes (0: micro_batch_size)
     router_aux_loss_coef: float = 0.0
     routing_replay: bool = False
     max_consecutive_nonfinite: int = 3
@@ -186,8 +187,7 @@ def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini
     return mini, micro
 
 
-def no_grad_micro_batch(micro_batch_size: Optional[int], planned_micro: int, num_responses: int,
-                        tokens_per_response: Optional[int]) -> int:
+def no_grad_micro_batch(micro_batch_size: Optional[int], planned_micro: int, tokens_per_response: Optional[int]) -> int:
     """Responses per forward of a pass without gradients (the old policy's, the reference's).
 
     Such a pass keeps no activations for a backward, so with ``micro_batch_size`` unset it takes as
@@ -195,17 +195,18 @@ def no_grad_micro_batch(micro_batch_size: Optional[int], planned_micro: int, num
     quickstart's 128 responses in one forward instead of 4 (each forward of a small model costs
     more in dispatch than in arithmetic). A ``micro_batch_size`` the user set is a memory bound and
     holds here too. ``tokens_per_response`` is the configured width, the same on every rank, so
-    sharded ranks run as many forwards as each other (``None``: ``planned_micro``)."""
+    sharded ranks run as many forwards as each other (``None``: unknown, ``planned_micro``)."""
     if micro_batch_size is not None or not tokens_per_response:
         return planned_micro
-    return max(planned_micro, min(num_responses, MICRO_BATCH_TOKENS // tokens_per_response))
+    return max(planned_micro, MICRO_BATCH_TOKENS // tokens_per_response)
 
 
 def update_settings(config: Mapping, prompts_per_step: int, world: int, *, clip_low: float, clip_high: float,
-                    warn_no_clip: bool = False) -> UpdateSettings:
+                    warn_no_clip: bool = False, episodes: bool = False) -> UpdateSettings:
     """The update loop's settings from a module's config (``GSPOModule``'s arguments): the
     batch plan of :func:`plan_batches` for ``prompts_per_step`` prompts over ``world`` ranks,
-    and the loss with its resolved clip range."""
+    and the loss with its resolved clip range. ``episodes``: rows hold several turns, wider than
+    ``prompt_length + response_length``, so the no-grad passes keep the planned micro-batches."""
     c = config
     mini, micro = plan_batches(
         prompts_per_step, world, group_size=c["num_return_sequences_in_group"], num_mini_batches=c["num_mini_batches"],
@@ -217,6 +218,8 @@ def update_settings(config: Mapping, prompts_per_step: int, world: int, *, clip_
         dual_clip=c["dual_clip"] if c["dual_clip_loss"] else None, loss_agg_mode=c["loss_agg_mode"],
         kl_coef=c["kl_loss_coef"] if c["use_kl_loss"] else 0.0, kl_estimator=c["kl_estimator"], horizon=c["response_length"],
         ppo_epochs=c["ppo_epochs"], mini_batch_size=mini, micro_batch_size=micro, world_size=world,
+        no_grad_micro_batch_size=no_grad_micro_batch(c["micro_batch_size"], micro, None if episodes or not c["prompt_length"]
+                                                     else c["prompt_length"] + c["response_length"]),
         router_aux_loss_coef=c["router_aux_loss_coef"], routing_replay=c["routing_replay"],
         max_consecutive_nonfinite=c["max_consecutive_nonfinite"],
         overlong_filtering=c["overlong_filtering"], skip_zero_advantage=c["skip_zero_advantage"],
