@@ -218,6 +218,13 @@ def _sharded_worker(rank, world_size, port, out_dir):
         ok = sorted(got) == sorted(reference) and all(torch.equal(got[n], reference[n]) for n in reference)
         results[kind] = (ok, local, sum(t.numel() for t in reference.values()))
     torch.save(results, f"{out_dir}/{rank}.pt")
+    # both ranks done, and no FSDP module left holding the group, before gloo's threads stop (a
+    # teardown with live references aborted a rank once: "terminate called without an active exception")
+    dist.barrier()
+    del policy, model, root
+    import gc
+
+    gc.collect()
     dist.destroy_process_group()
 
 
