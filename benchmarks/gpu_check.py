@@ -8,6 +8,8 @@ Stages (each in its own process, with a time limit, so one failure leaves the ot
 - ``pytest``: the tests marked ``gpu`` (FSDP1, DeepSpeed ZeRO-3 where installed).
 - ``quickstart``: ``gspo fit --config configs/quickstart.yaml`` on the GPU in bf16 (weights and
   precision ``bf16-true``): the reward must still rise.
+- ``async``, ``sapo``, ``cispo``, ``gmpo``, ``lora``, ``episodes``: the same for the asynchronous run, the
+  objectives beside GSPO's clip, LoRA adapters and multi-turn episodes with a tool (``QUICKSTARTS``).
 - ``memory``: a random-init model of Qwen3-0.6B's shape (28 layers, hidden 1024, 151,936-token
   vocabulary, built here: nothing is downloaded), a few GSPO steps with a KL reference per case;
   per phase (generate, no-grad log-prob passes, update, optimizer step) the peak GPU memory of a
@@ -44,6 +46,24 @@ MEMORY_CASES = {
     "512-ckpt": {"gradient_checkpointing": True},
     "512-fsdp2-ckpt": {"strategy": "fsdp2", "gradient_checkpointing": True},
     "2048-ckpt": {"response_length": 2048, "gradient_checkpointing": True},
+}
+
+
+# name: (config, overrides) of a `gspo fit` run on the GPU in bf16 (the reward must rise)
+QUICKSTARTS = {
+    "quickstart": ("configs/quickstart.yaml", []),
+    # asynchronous: rollouts one step ahead from a float32 copy on a background thread
+    "async": ("configs/quickstart.yaml", ["--model.max_staleness=1", "--model.engine=gspo_lightning.rollout.HFCopyEngine",
+                                          "--model.engine.dtype=float32", "--model.off_policy.mode=decoupled"]),
+    # adapters on the frozen tiny model (a higher rate: the adapters start at zero)
+    "lora": ("configs/quickstart.yaml", ["--model.lora.rank=16", "--model.lora.alpha=32",
+                                         "--model.lora.target_modules=all-linear", "--model.optimizer.init_args.lr=0.005"]),
+    # multi-turn episodes with a tool
+    "episodes": ("configs/episodes_lookup.yaml", []),
+    # the objectives beside GSPO's clip, at their documented defaults
+    "sapo": ("configs/quickstart.yaml", ["--model.policy_loss_type=sapo"]),
+    "cispo": ("configs/quickstart.yaml", ["--model.policy_loss_type=cispo"]),
+    "gmpo": ("configs/quickstart.yaml", ["--model.policy_loss_type=gmpo"]),
 }
 
 
@@ -247,7 +267,8 @@ def quickstart_summary(folder: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--stages", default="pytest,quickstart,async,memory")
+    parser.add_argument("--stages", default="pytest,quickstart,async,lora,episodes,sapo,cispo,gmpo,memory")
+    parser.add_argument("--stage_timeout", type=int, default=240, help="seconds each gspo fit may run")
     parser.add_argument("--quickstart_steps", type=int, default=100)
     parser.add_argument("--cases", default=",".join(MEMORY_CASES))
     parser.add_argument("--steps", type=int, default=2, help="steps per memory case (the last one is measured)")
@@ -277,26 +298,20 @@ def main() -> int:
         report.write_text(json.dumps(results, indent=1))
 
     if "pytest" in stages:
-        results["pytest"] = run_stage([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], 240,
+        results["pytest"] = run_stage([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], 2 * args.stage_timeout,
                                       args.out / "pytest.log")
         print("pytest -m gpu:", results["pytest"]["rc"], results["pytest"]["tail"][-300:], flush=True)
         save()
-    quickstarts = {
-        "quickstart": [],
-        # asynchronous: rollouts one step ahead from a float32 copy on a background thread
-        "async": ["--model.max_staleness=1", "--model.engine=gspo_lightning.rollout.HFCopyEngine",
-                  "--model.engine.dtype=float32", "--model.off_policy.mode=decoupled"],
-    }
-    for name, extra in quickstarts.items():
+    for name, (config, extra) in QUICKSTARTS.items():
         if name not in stages:
             continue
         folder = args.out / f"{name}_bf16"
         loggers = [] if importlib.util.find_spec("tensorboard") else ["--trainer.logger=gspo_lightning.run.loggers.CSVLogger"]
         results[name] = run_stage(
-            [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", "configs/quickstart.yaml",
+            [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", config,
              "--trainer.accelerator=gpu", "--trainer.precision=bf16-true", "--model.dtype=bfloat16",
              f"--trainer.max_steps={args.quickstart_steps}", f"--trainer.default_root_dir={folder}",
-             "--trainer.enable_progress_bar=false", *loggers, *extra], 240, args.out / f"{name}.log")
+             "--trainer.enable_progress_bar=false", *loggers, *extra], args.stage_timeout, args.out / f"{name}.log")
         results[name].update(quickstart_summary(folder))
         for path in folder.rglob("*"):  # keep the logs, not the weights
             if path.suffix in (".ckpt", ".safetensors", ".bin"):
