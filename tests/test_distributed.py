@@ -71,3 +71,35 @@ def test_ranks_whose_episodes_take_different_numbers_of_turns(tmp_path, strategy
     it would otherwise leave rank 0 waiting in the gather for ever (hence the short timeout)."""
     calls = launch(tmp_path, 2, strategy, ("episodes-uneven",), timeout=240)["episodes-uneven"]["calls"]
     assert calls == {"ddp": [3, 1], "fsdp2": [3, 3]}[strategy]
+
+
+def test_fsdp1_is_refused_with_the_fsdp2_command():
+    """FSDP1 runs training_step inside its root forward, where a GSPO step's backward fails
+    (seen on an H100). The refusal names the strategy that works, as a command that parses."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from gspo_lightning.training.distributed import check_strategy
+
+    with pytest.raises(ValueError, match=r"FSDPStrategy \(FSDP1\) cannot train GSPO") as info:
+        check_strategy(FSDPStrategy())
+    assert "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy" in str(info.value)
+    for strategy in (DDPStrategy(), ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)):
+        check_strategy(strategy)  # the strategies that train GSPO pass
+
+
+def test_the_refusal_happens_before_the_model_loads(monkeypatch):
+    """GSPOModule.setup checks the strategy first: nothing is loaded for a run that cannot start."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from gspo_lightning.training.module import GSPOModule
+
+    module = GSPOModule(model_name_or_path="builtin:tiny-echo",
+                        rewards=[{"function": "gspo_lightning.data.tasks.echo.echo_reward"}])
+    loaded = []
+    monkeypatch.setattr(module, "configure_model", lambda: loaded.append(True))
+    monkeypatch.setattr(GSPOModule, "trainer", property(lambda self: SimpleNamespace(strategy=FSDPStrategy())))
+    with pytest.raises(ValueError, match="FSDP1"):
+        module.setup("fit")
+    assert not loaded

@@ -44,11 +44,13 @@ def fit_chunked(tmp_path, strategy, max_grad_norm):
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
-def test_fsdp1_trains_through_the_chunked_head(tmp_path):
+def test_fsdp1_is_refused_before_it_fails_in_backward(tmp_path):
+    """On an H100 (2026-11-26) FSDP1 failed at the first backward, which runs inside its root
+    forward (Lightning issue #19685): the fit now stops at setup and names FSDP2."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    metrics = fit_chunked(tmp_path, FSDPStrategy(use_orig_params=True), max_grad_norm=1.0)
-    assert metrics["grad_norm"] > 0 and metrics["policy_version"] == 4
+    with pytest.raises(ValueError, match="ModelParallelStrategy"):
+        fit_chunked(tmp_path, FSDPStrategy(use_orig_params=True), max_grad_norm=1.0)
 
 
 def test_fsdp2_on_one_gpu_syncs_its_metrics_over_nccl(tmp_path):

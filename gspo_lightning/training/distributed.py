@@ -49,6 +49,21 @@ class PolicyForward(nn.Module):
         return self.fn(self.policy, *args)
 
 
+def check_strategy(strategy) -> None:
+    """Refuse strategies that cannot run a GSPO step. FSDP1 (``FSDPStrategy``) runs
+    ``training_step`` inside its root module's forward, and a backward there fails its state
+    check (``Expects BACKWARD_PRE or BACKWARD_POST state but got HandleTrainingState.FORWARD``,
+    measured on an H100; Lightning issue #19685). FSDP2 shards the same way and works."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            "trainer.strategy FSDPStrategy (FSDP1) cannot train GSPO: a step calls backward inside "
+            "training_step, which FSDP1 runs inside its root module's forward, and its first backward fails "
+            "(Lightning issue #19685). Use FSDP2 instead: "
+            "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy (docs/scaling.md).")
+
+
 @dataclass(frozen=True)
 class GradientSync:
     """``mode``: ``none`` (one process), ``reducer`` (DDP: ``policy_forward``, a DDP-wrapped

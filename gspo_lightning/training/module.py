@@ -55,7 +55,7 @@ from gspo_lightning.rollout.weight_sync import engine_weights
 from gspo_lightning.run.phases import PHASES
 from gspo_lightning.run.results import append_eval_record, eval_step
 from gspo_lightning.training import log_fast_path
-from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum
+from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum, check_strategy
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
 from gspo_lightning.training.metrics import StepMetrics, step_values
@@ -344,6 +344,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
 
     # -- the run's lifecycle -----------------------------------------------------------
     def setup(self, stage: str) -> None:
+        check_strategy(self.trainer.strategy)
         self.configure_model()
         group_attention_on_cpu(self.trainer.strategy.root_device)  # no key/value copies per query head
         if self.worker.rewards is None:
