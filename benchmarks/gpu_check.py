@@ -1,6 +1,6 @@
 """The GPU path run for real: one script for a lent GPU machine, every figure to a JSON file.
 
-    python benchmarks/gpu_check.py --out OUT            # all stages (about 8 minutes on an H100)
+    python benchmarks/gpu_check.py --out OUT            # all stages (about 10 minutes on an H100)
     python benchmarks/gpu_check.py --out OUT --stages memory --cases 512,512-ckpt
 
 Stages (each in its own process, with a time limit, so one failure leaves the others):
