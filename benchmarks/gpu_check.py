@@ -5,7 +5,7 @@
 
 Stages (each in its own process, with a time limit, so one failure leaves the others):
 
-- ``pytest``: the tests marked ``gpu`` (FSDP1, DeepSpeed ZeRO-3 where installed).
+- ``pytest``: the tests marked ``gpu`` (FSDP2 on one GPU, FSDP1's refusal, DeepSpeed ZeRO-3 where installed).
 - ``quickstart``: ``gspo fit --config configs/quickstart.yaml`` on the GPU in bf16 (weights and
   precision ``bf16-true``): the reward must still rise.
 - ``async``, ``sapo``, ``cispo``, ``gmpo``, ``lora``, ``episodes``: the same for the asynchronous run, the
