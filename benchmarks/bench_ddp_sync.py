@@ -1,6 +1,7 @@
-"""DDP gradient sync: the module's scheme (DDP's reducer off, one bucketed all-reduce after
-the last micro-batch, ``GradientSync.reduce``) against DDP's reducer overlapping the last
-micro-batch's backward (``no_sync`` on the others). Both sum the same gradients.
+"""DDP gradient sync: the module's former scheme (DDP's reducer off, one bucketed all-reduce
+after the last micro-batch, ``manual_sum`` below) against DDP's reducer overlapping the last
+micro-batch's backward (``no_sync`` on the others), which the module uses now
+(``distributed.GradientSync``). Both sum the same gradients.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_ddp_sync.py --steps 5
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gspo_lightning.training.distributed import GradientSync
+BUCKET_BYTES = 64 * 2**20
 
 
 def build_model(seed: int):
@@ -36,10 +37,29 @@ def micro_loss(model, ids):
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def step_manual(model, batches, sync: GradientSync):
+def manual_sum(params) -> None:
+    """Sum gradients over ranks in flat buckets of ``BUCKET_BYTES``, after the last backward."""
+    params = [p for p in params if p.requires_grad]
+    for p in params:  # a parameter unused on one rank (an idle expert) must still join the sum
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket, size = [], 0
+    for grad in [p.grad for p in params] + [None]:
+        if grad is not None:
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+        if bucket and (grad is None or size >= BUCKET_BYTES):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for g, synced in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(synced.view_as(g))
+            bucket, size = [], 0
+
+
+def step_manual(model, batches):
     for ids in batches:
         micro_loss(model, ids).backward()
-    sync.reduce(model.parameters(), True, torch.device("cpu"))
+    manual_sum(model.parameters())
 
 
 def step_reducer(ddp: DDP, batches):
@@ -66,7 +86,6 @@ def main():
     manual_model = build_model(0)
     reducer_model = build_model(0)
     ddp = DDP(reducer_model)
-    sync = GradientSync("manual")
     params = sum(p.numel() for p in manual_model.parameters())
     g = torch.Generator().manual_seed(1 + rank)
     batches = [torch.randint(0, 2000, (args.rows, args.tokens), generator=g) for _ in range(args.micro_batches)]
@@ -78,7 +97,7 @@ def main():
             model.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
-            step_manual(manual_model, batches, sync) if name == "manual" else step_reducer(ddp, batches)
+            step_manual(manual_model, batches) if name == "manual" else step_reducer(ddp, batches)
             dist.barrier()
             if step:
                 times[name].append(time.perf_counter() - start)

@@ -12,11 +12,9 @@ The package by concern (docs/architecture.md has the map):
 - ``run/``: the run around training: the command, loggers, progress, plots, preemption, export
 """
 
-from gspo_lightning._imports import install_moved_modules, lazy_exports
+from gspo_lightning._imports import lazy_exports
 
 __version__ = "0.1.0"
-
-install_moved_modules()  # configs naming the module paths of 0.1 (gspo_lightning.tasks...) keep working
 
 # lazy: `gspo serve` sets OpenMP's environment (run/cpu_env.py) before torch loads
 __getattr__, __dir__ = lazy_exports(__name__, {"kl_penalty": "objective.loss", "policy_loss": "objective.loss"})

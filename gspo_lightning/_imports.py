@@ -1,5 +1,5 @@
 """How the package's names are found: each folder's public names, imported on first use, and
-the module paths of releases before the package was laid out by concern.
+the objects whose import paths a config writes (reward functions, tools, engines).
 
 Lazy, so that ``gspo --help`` and ``gspo serve`` import nothing they do not use, and so that
 the ``gspo`` command sets OpenMP's environment before anything imports torch
@@ -10,31 +10,39 @@ the ``gspo`` command sets OpenMP's environment before anything imports torch
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
-import warnings
-from typing import Callable
+from typing import Any, Callable
 
 
-def import_callable(path: str, what: str) -> Callable:
-    """The callable at ``package.module.name`` (or ``package.module:name``): a config's reward
-    function or tool. ``what`` names it in the errors ("reward function", "tool")."""
+def import_object(path: str, what: str, example: str = "package.module.name") -> Any:
+    """The object at ``package.module.name`` (or ``package.module:name``): an import path written
+    in a config (a reward function, a tool, a served engine's class). ``what`` names it in the
+    errors; a module path of 0.1 (``gspo_lightning.tasks...``) is answered with today's."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{what} {path!r} is not an import path like 'package.module.function'")
+        raise ValueError(f"{what} {path!r} is not an import path like {example!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
+        moved = moved_target(module_name)
+        if moved is not None:
+            raise ValueError(f"cannot import module {module_name!r} of {what} {path!r}: {module_name} moved to "
+                             f"{moved}: write that in the config") from err
         raise ValueError(f"cannot import module {module_name!r} of {what} {path!r}: {err} (modules are looked up in "
                          f"the installed packages and the working directory {os.getcwd()!r})") from err
     found = getattr(module, attr, None)
     if found is None:
         raise ValueError(f"module {module_name!r} has no attribute {attr!r} ({what} {path!r})")
+    return found
+
+
+def import_callable(path: str, what: str) -> Callable:
+    """The callable at ``package.module.name`` (or ``package.module:name``): a config's reward
+    function or tool. ``what`` names it in the errors ("reward function", "tool")."""
+    found = import_object(path, what, example="package.module.function")
     if not callable(found):
         raise ValueError(f"{what} {path!r} is a {type(found).__name__}, not a function")
     return found
@@ -59,9 +67,9 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
 
 
 # Module paths before the package was laid out by concern (0.1 as first released) -> today's.
-# Configs and checkpoints that name the old paths (``gspo_lightning.tasks.successor.successor_reward``,
-# ``gspo_lightning.loggers.CSVLogger``, ``gspo_lightning.module.GSPOModule``) keep working: the old
-# name is the same module object as the new one, so classes and isinstance checks agree.
+# They no longer import: a config that names one (``gspo_lightning.tasks.successor.successor_reward``)
+# is told the new path (``import_object``); a checkpoint's logger class is matched by it
+# (``run/command.py``, ``current_class_path``).
 MOVED = {
     "loss": "objective.loss", "advantages": "objective.advantages", "offpolicy": "objective.offpolicy",
     "clip_budget": "objective.clip_budget", "options": "objective.options", "evaluation": "objective.passk",
@@ -85,40 +93,3 @@ def moved_target(fullname: str, package: str = "gspo_lightning") -> str | None:
     if new is None:
         return None
     return f"{prefix}{new}" + (f".{rest}" if rest else "")
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports an old module path as the module it moved to (one object under both names)."""
-
-    def __init__(self) -> None:
-        self.warned: set[str] = set()
-
-    def find_spec(self, fullname, path=None, target=None):
-        new = moved_target(fullname)
-        if new is None:
-            return None
-        found = importlib.util.find_spec(new)
-        if found is None:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=found.submodule_search_locations is not None)
-
-    def create_module(self, spec):
-        new = moved_target(spec.name)
-        old_head = ".".join(spec.name.split(".")[:2])  # gspo_lightning.tasks for gspo_lightning.tasks.echo
-        if old_head not in self.warned:  # once per moved module, not again for each of its submodules
-            self.warned.add(old_head)
-            # FutureWarning, not DeprecationWarning: Python hides the latter outside __main__, and
-            # the user whose config names the old path is the one who should read this
-            warnings.warn(f"{old_head} moved to {moved_target(old_head)}; the old path still works, the new one is "
-                          "preferred", FutureWarning, stacklevel=2)
-        return importlib.import_module(new)
-
-    def exec_module(self, module) -> None:
-        pass  # the module ran under its own name already
-
-
-def install_moved_modules() -> None:
-    # first: the path finder would otherwise load ``gspo_lightning.tasks.echo`` a second time,
-    # as a new module, from the folder of its alias ``gspo_lightning.tasks``
-    if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _MovedModuleFinder())

@@ -4,7 +4,7 @@ that subcommand needs.
 - ``gspo fit | validate | test --config cfg.yaml [--model.key=value ...]``: training,
   evaluation (``run/command.py``, a LightningCLI: imports torch, Lightning, transformers);
 - ``gspo serve --config cfg.yaml [--host H --port P]``: a rollout server
-  (``rollout/server/command.py``: parses its arguments before it imports torch);
+  (``run/serve.py``: parses its arguments before it imports torch);
 - ``gspo``, ``gspo --help``, ``gspo --version``: answered here, with nothing imported.
 """
 
@@ -49,7 +49,7 @@ def main(args: Optional[list[str]] = None) -> None:
         return
     configure_cpu_env(command)  # before anything imports torch: OpenMP reads its settings once, at load
     if command == "serve":
-        from gspo_lightning.rollout.server.command import main as serve
+        from gspo_lightning.run.serve import main as serve
 
         serve(argv[1:])
         return

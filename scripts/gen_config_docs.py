@@ -19,17 +19,25 @@ HEADER = """# Configuration reference
 
 Generated from the code by `python scripts/gen_config_docs.py` (a test checks it is current).
 A config file has the sections `seed_everything`, `trainer`, `checkpoint`, `model`, `data`;
-any key can be overridden on the command line (`--model.clip_high=4e-4`), `--print_config`
+any key can be overridden on the command line (`--model.update.ppo_epochs=2`), `--print_config`
 prints the resolved config, and an unknown key is an error that names it.
 
-Keys that carry the same name as in ROLL's GSPO configs keep ROLL's meaning:
+`model:` holds a few keys of its own and typed blocks, each checked beside its fields: `policy`,
+`rollout`, `evaluation`, `advantages`, `objective` (with `objective.policy_loss`, one class per
+objective: `gspo_lightning.objective.PPOClip`, `SAPO`, `CISPO`, `GMPO`, or your own subclass of
+`gspo_lightning.objective.PolicyObjective`, chosen by `class_path`), `update` and `asynchronous`.
+The flat keys of earlier releases (`model.response_length`, `model.clip_low`,
+`model.policy_loss_type`, `model.dual_clip_loss`...) are still read, in config files and on the
+command line, with the same meaning; the run prints one line naming their new spelling
+(`training/config.py` maps them). Keys that carry the same name as in ROLL's GSPO configs keep
+ROLL's meaning, flat or in their blocks:
 `adv_estimator`, `importance_sampling`, `rollout_batch_size`, `num_return_sequences_in_group`,
 `prompt_length`, `response_length`, `ppo_epochs`, `use_kl_loss`, `kl_loss_coef`,
 `loss_agg_mode`, `whiten_advantages`, `advantage_clip`, `dual_clip_loss`, `reward_clip`,
 `reward_norm`, `reward_shift`, `reward_scale`, `add_token_level_kl`.
 
 Three keys are set from another one, so a value is stated once: `data.tokenizer` is
-`model.model_name_or_path` (joined with `model.gguf_file` when that is set), and `model.prompt_length` / `model.rollout_batch_size` are
+`model.model_name_or_path` (joined with `model.policy.gguf_file` when that is set), and `model.rollout.prompt_length` / `model.rollout.rollout_batch_size` are
 `data.prompt_length` / `data.rollout_batch_size` (set those; the linked keys are not accepted).
 
 A mistake in a config (a bad value, a missing model folder or data file, a failing reward
@@ -87,7 +95,7 @@ model:
 ```
 
 A function that raises, returns the wrong number of scores, or a NaN stops the run with a
-message naming it and the sample (`model.on_reward_error: zero` scores such samples 0 and
+message naming it and the sample (`model.rollout.on_reward_error: zero` scores such samples 0 and
 counts them instead). Built-ins: `gspo_lightning.rewards.math_accuracy`, `exact_match`,
 `format_reward`, `length_penalty`.
 """
@@ -127,7 +135,8 @@ def format_default(value) -> str:
 
 
 def section(title: str, cls) -> list[str]:
-    params = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name != "self"]
+    params = [p for name, p in inspect.signature(cls.__init__).parameters.items()
+              if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
     docs = parse_args_section(cls.__doc__ or "")
     missing = [p.name for p in params if p.name not in docs]
     if missing:
@@ -135,7 +144,8 @@ def section(title: str, cls) -> list[str]:
     rows = [f"## `{title}:` ({cls.__module__}.{cls.__name__})", "", "| key | default | meaning |", "|---|---|---|"]
     for p in params:
         meaning = docs[p.name].replace("|", "\\|")
-        rows.append(f"| `{p.name}` | {format_default(p.default)} | {meaning} |")
+        default = "its defaults below" if hasattr(p.default, "__dataclass_fields__") else format_default(p.default)
+        rows.append(f"| `{p.name}` | {default} | {meaning} |")
     return rows + [""]
 
 
@@ -148,7 +158,14 @@ def render() -> str:
     from gspo_lightning.rollout import HFEngine
 
     parts = [HEADER]
+    from gspo_lightning.training.config import BLOCKS
+    from gspo_lightning.objective.loss import OBJECTIVES
+
     parts += section("model", GSPOModule)
+    for name, block in BLOCKS.items():
+        parts += section(f"model.{name}", block)
+    for objective in OBJECTIVES.values():
+        parts += section(f"model.objective.policy_loss: {objective.__name__}", objective)
     parts += section("model.lora", LoRA)  # the block that turns LoRA on (docs/lora.md)
     parts += section("model.engine.init_args", HFEngine)  # the default engine's keys
     parts += section("data", PromptDataModule)

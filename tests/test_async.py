@@ -252,7 +252,7 @@ def test_rollout_serialization_round_trip():
 
 
 def test_bad_staleness_settings_are_one_clear_line(tmp_path):
-    from tests.test_module import fit, make_module
+    from tests.helpers_fit import fit, make_module
 
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
         make_module(max_staleness=-1)
@@ -273,7 +273,7 @@ def test_stale_rollouts_trained_as_on_policy_are_warned_once_at_start():
 
     from gspo_lightning.objective.offpolicy import OffPolicyCorrection
     from gspo_lightning.rollout import HFCopyEngine
-    from tests.test_module import make_module
+    from tests.helpers_fit import make_module
 
     with pytest.warns(UserWarning, match="trained as if the current policy had sampled them") as caught:
         make_module(max_staleness=2, engine=HFCopyEngine(dtype="float32"))
@@ -289,7 +289,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def async_config(folder: Path, max_steps: int, max_staleness: int) -> Path:
-    from tests.test_resume import write_config
+    from tests.helpers_fit import write_config
 
     path = write_config(folder, max_steps)
     config = yaml.safe_load(path.read_text())
@@ -306,7 +306,7 @@ def async_config(folder: Path, max_steps: int, max_staleness: int) -> Path:
 @pytest.mark.slow
 def test_async_stop_and_resume_matches_the_straight_run_bit_for_bit(tmp_path):
     from gspo_lightning.cli import main
-    from tests.test_resume import metric_rows, policy_state
+    from tests.helpers_fit import metric_rows, policy_state
 
     straight = tmp_path / "straight"
     main(["fit", "--config", str(async_config(straight, 5, 2))])
@@ -334,11 +334,10 @@ def test_a_failing_reward_on_the_producer_stops_the_run_with_a_checkpoint_and_it
     from gspo_lightning.rewards import RewardSpec
     from gspo_lightning.rewards.base import RewardError
     from gspo_lightning.rollout import HFCopyEngine
-    from tests import test_resume
-    from tests.test_module import fit, make_module
+    from tests.helpers_fit import CALLS, fit, make_module
 
-    test_resume.CALLS["n"] = 0
-    reward = [RewardSpec(function="tests.test_resume.reward_that_fails_on_the_third_call")]
+    CALLS["n"] = 0
+    reward = [RewardSpec(function="tests.helpers_fit.reward_that_fails_on_the_third_call")]
 
     def module():
         return make_module(rewards=reward, num_mini_batches=2, max_staleness=1, engine=HFCopyEngine(dtype="float32"))

@@ -19,7 +19,7 @@ def test_a_restarted_server_is_re_pushed_even_when_the_request_that_found_it_wai
     """The restarted server makes the generation wait for the version it lacks (0.5 s here, its
     version_wait_s) and answers 409; with reconnect_s = 0 that wait already used the budget. The
     client must still check the server, find it restarted, push the weights again and retry."""
-    from tests.test_rollout_server import free_port, policy_and_spec, prompts, serve_on, shut
+    from tests.helpers_server import free_port, policy_and_spec, prompts, serve_on, shut
 
     port = free_port()
     _, httpd = serve_on(port)
@@ -82,7 +82,7 @@ def test_an_own_weight_folder_names_the_process_that_owns_it():
 
 
 def test_the_end_of_fit_closes_the_engine(tmp_path):
-    from tests.test_module import fit, make_module
+    from tests.helpers_fit import fit, make_module
 
     module = make_module(engine=HFCopyEngine(dtype="float32"))
     fit(module, tmp_path, max_steps=1)

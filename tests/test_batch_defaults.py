@@ -72,10 +72,11 @@ def test_episode_runs_and_unknown_prompt_lengths_keep_the_planned_micro_batches_
 
     module = GSPOModule(model_name_or_path="builtin:tiny-echo", num_return_sequences_in_group=8, response_length=6,
                         prompt_length=8, num_mini_batches=4)
-    config = dict(module.hparams)
-    assert update_settings(config, 4, 1, clip_low=0.2, clip_high=0.2).no_grad_micro_batch_size == 585
-    assert update_settings(config, 4, 1, clip_low=0.2, clip_high=0.2, episodes=True).no_grad_micro_batch_size == 8
-    assert update_settings({**config, "prompt_length": None}, 4, 1, clip_low=0.2, clip_high=0.2).no_grad_micro_batch_size == 8
+    cfg = module.settings
+    kw = dict(group_size=8, response_length=6, prompts_per_step=4, world=1)
+    assert update_settings(cfg.update, cfg.objective, prompt_length=8, **kw).no_grad_micro_batch_size == 585
+    assert update_settings(cfg.update, cfg.objective, prompt_length=8, episodes=True, **kw).no_grad_micro_batch_size == 8
+    assert update_settings(cfg.update, cfg.objective, prompt_length=None, **kw).no_grad_micro_batch_size == 8
 
 
 @pytest.mark.filterwarnings("ignore:one optimizer step per rollout")

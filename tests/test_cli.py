@@ -253,20 +253,7 @@ def test_no_command_prints_the_commands_and_fails(capsys):
     assert exit_info.value.code == 2 and "fit" in capsys.readouterr().out
 
 
-def test_old_module_paths_are_the_moved_modules():
-    """Configs and checkpoints naming 0.1's module paths keep working, as the same objects."""
-    import importlib
-
-    import gspo_lightning.data.tasks.successor as successor
-    from gspo_lightning.run.loggers import CSVLogger
-    from gspo_lightning.training.module import GSPOModule
-
-    assert importlib.import_module("gspo_lightning.tasks.successor") is successor
-    assert importlib.import_module("gspo_lightning.module").GSPOModule is GSPOModule
-    assert importlib.import_module("gspo_lightning.loggers").CSVLogger is CSVLogger
-    from gspo_lightning.rewards.base import import_function
-
-    assert import_function("gspo_lightning.tasks.successor.successor_reward") is successor.successor_reward
+def test_short_engine_path_is_the_defined_class():
     from gspo_lightning.rollout import VLLMEngine
     from gspo_lightning.rollout.vllm import VLLMEngine as defined
 

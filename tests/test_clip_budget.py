@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gspo_lightning.objective.ppo import PPOClip
 from gspo_lightning.objective.clip_budget import ClipBudget, attribute_clips, clip_budget_metrics, split_log_ratio
 
 # GSPO's sequence range: log(1.0004) = 3.9992e-4 above, log(0.9997) = -3.0005e-4 below
@@ -28,8 +29,7 @@ MASK = torch.ones(4, 2, dtype=torch.bool)
 
 
 def test_bypass_attribution_by_hand():
-    counts = attribute_clips(sequence_parts(), ("numerics", "staleness", "update"), MASK, ADV, level="seq",
-                             clip_low=LOW, clip_high=HIGH)
+    counts = attribute_clips(sequence_parts(), ("numerics", "staleness", "update"), MASK, ADV, level="seq", objective=PPOClip(LOW, HIGH))
     # response 0: total 6e-4 > 4e-4, A > 0: clipped; largest part numerics (5e-4, alone beyond the range)
     # response 1: total 5e-4: clipped; staleness and update tie at 2e-4 -> staleness; none alone
     # response 2: total -4.5e-4 < -3e-4, A < 0: clipped; most negative part update (-3.5e-4, alone beyond)
@@ -45,7 +45,7 @@ def test_bypass_attribution_by_hand():
 
 
 def test_decoupled_clip_sees_only_the_update():
-    counts = attribute_clips(sequence_parts(), ("update",), MASK, ADV, level="seq", clip_low=LOW, clip_high=HIGH)
+    counts = attribute_clips(sequence_parts(), ("update",), MASK, ADV, level="seq", objective=PPOClip(LOW, HIGH))
     assert float(counts["clipped"]) == 1.0 and float(counts["update"]) == 1.0  # only response 2 (-3.5e-4)
     metrics = clip_budget_metrics(counts, ("numerics", "staleness", "update"))
     assert float(metrics["clip_budget/numerics"][0]) == 0.0 and float(metrics["clip_budget/update"][0]) == 0.25
@@ -57,7 +57,7 @@ def test_token_level_units_are_tokens():
              "update": torch.tensor([[0.0, 0.1, -0.4]])}
     mask = torch.tensor([[1, 1, 1]], dtype=torch.bool)
     counts = attribute_clips(parts, ("numerics", "staleness", "update"), mask, torch.tensor([[1.0, 1.0, -1.0]]),
-                             level="token", clip_low=0.2, clip_high=0.27)
+                             level="token", objective=PPOClip(0.2, 0.27))
     # token 0: 0.3 > 0.239 (numerics); token 1: 0.1 no; token 2: -0.3 < -0.223 with A < 0 (update, alone)
     assert float(counts["units"]) == 3 and float(counts["clipped"]) == 2
     assert float(counts["numerics"]) == 1 and float(counts["update"]) == 1 and float(counts["update_alone"]) == 1
@@ -66,9 +66,9 @@ def test_token_level_units_are_tokens():
 def test_padding_is_ignored():
     parts = {"update": torch.tensor([[1e-3, 5.0]])}  # 5.0 at a padded position must not count
     mask = torch.tensor([[1, 0]], dtype=torch.bool)
-    counts = attribute_clips(parts, ("update",), mask, torch.tensor([1.0]), level="seq", clip_low=LOW, clip_high=HIGH)
+    counts = attribute_clips(parts, ("update",), mask, torch.tensor([1.0]), level="seq", objective=PPOClip(LOW, HIGH))
     assert float(counts["units"]) == 1 and float(counts["clipped"]) == 1  # 1e-3 > 4e-4, from the one valid token
-    counts = attribute_clips(parts, ("update",), mask, torch.tensor([1.0]), level="token", clip_low=0.2, clip_high=0.27)
+    counts = attribute_clips(parts, ("update",), mask, torch.tensor([1.0]), level="token", objective=PPOClip(0.2, 0.27))
     assert float(counts["clipped"]) == 0
 
 
@@ -81,7 +81,7 @@ def test_split_and_the_hook_on_a_micro_batch():
     assert torch.allclose(parts["numerics"], torch.tensor([[6e-4], [0.0]]), atol=1e-7)
     assert set(split_log_ratio(lp, o, b, None)) == {"behaviour", "update"}
 
-    hook = ClipBudget("seq", LOW, HIGH)
+    hook = ClipBudget("seq", PPOClip(LOW, HIGH))
     hook.begin(old=o, behaviour=b, behaviour_old=o_b, old_is_behaviour=True)
     micro = SimpleNamespace(rows=torch.tensor([0, 1]), logprobs=lp, old_logprobs=b, mask=torch.ones(2, 1, dtype=torch.bool),
                             advantages=torch.tensor([1.0, -1.0]))
@@ -109,7 +109,7 @@ def test_split_and_the_hook_on_a_micro_batch():
 def test_bounds_are_the_log_of_the_ratio_range():
     parts = {"update": torch.tensor([[math.log1p(HIGH) * 0.999], [math.log1p(HIGH) * 1.001]])}
     counts = attribute_clips(parts, ("update",), torch.ones(2, 1, dtype=torch.bool), torch.tensor([1.0, 1.0]),
-                             level="seq", clip_low=LOW, clip_high=HIGH)
+                             level="seq", objective=PPOClip(LOW, HIGH))
     assert float(counts["clipped"]) == pytest.approx(1.0)
 
 
@@ -121,7 +121,7 @@ def test_the_producer_computes_o_b_under_the_trainers_precision():
 
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from tests.test_module import make_module
+    from tests.helpers_fit import make_module
 
     module = make_module()
     module._trainer = SimpleNamespace(precision_plugin=MixedPrecision("bf16-mixed", "cpu"))

@@ -11,7 +11,7 @@ from transformers.integrations import sdpa_attention
 
 from gspo_lightning.models.cpu_attention import SWITCH, group_attention_on_cpu
 from gspo_lightning.training.logprobs import response_logprobs
-from tests.test_module import fit, make_module
+from tests.helpers_fit import fit, make_module
 
 
 def test_the_switch_is_set_on_cpu_only_and_a_users_value_wins():

@@ -189,7 +189,7 @@ def test_dynamic_sampling_with_a_non_group_estimator_is_refused():
     advantage reward - batch mean, not 0."""
     import pytest
 
-    from tests.test_module import make_module
+    from tests.helpers_fit import make_module
 
     with pytest.raises(ValueError, match="dynamic_sampling with adv_estimator=reinforce: the zero-variance groups"):
         make_module(dynamic_sampling=True, adv_estimator="reinforce")

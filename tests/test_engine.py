@@ -11,21 +11,7 @@ from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.rollout.engine import EngineSpec, SamplingParams
 from gspo_lightning.rollout.hf import HFEngine, _sample_step, left_pad
 from gspo_lightning.rollout.sampling import filter_logits
-
-
-def make_engine(model_tok, generation_batch_size=None):
-    model, tok = model_tok
-    engine = HFEngine(generation_batch_size=generation_batch_size)
-    engine.start(EngineSpec(
-        model_name_or_path="builtin:test", dtype="float32", prompt_length=None, response_length=16, seed=0,
-        eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=model,
-    ))
-    return engine, tok
-
-
-def prompts(tok, n=3):
-    texts = ["Natalia sold clips", "How many", "A farmer has 12 cows and"][:n]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+from tests.helpers_engine import make_engine, prompts, rollout_batch
 
 
 def test_shapes_lengths_and_finish_reasons(tiny_gsm8k):
@@ -51,15 +37,6 @@ def test_same_seed_same_samples_other_seed_differs(tiny_gsm8k):
     c = engine.generate(prompts(tok), 4, params, seed=124)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert not torch.equal(a.completion_ids, c.completion_ids)
-
-
-def rollout_batch(engine, tok, ps, n, params, seed):
-    """``(generation, input_ids, attention_mask, prompt_width)`` as the trainer sees them."""
-    gen = engine.generate(ps, n, params, seed=seed)
-    ids, mask = left_pad([p for p in ps for _ in range(n)], tok.pad_token_id, "cpu")
-    full = torch.cat([ids, gen.completion_ids], 1)
-    attn = torch.cat([mask, gen.mask.long()], 1)
-    return gen, full, attn, ids.shape[1]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [

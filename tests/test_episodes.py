@@ -3,49 +3,21 @@ the model's own tokens, and whole runs through ``gspo fit`` (token in, token out
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import pytest
 import torch
-import yaml
 
 from gspo_lightning.data.tasks.lookup import LookupEnvironment, lookup_answer_reward, lookup_call_reward, make_rows
 from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.messages import StepResult
-from gspo_lightning.episodes.runner import MultiTurn
+from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.objective.advantages import episode_returns, turn_advantages
 from gspo_lightning.objective.loss import policy_loss
-from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
-
-ROOT = Path(__file__).resolve().parents[1]
-# tiny-lookup's ids: <pad> 0, <eos> 1, <unk> 2, then tiny.LOOKUP_WORDS in order
-PAD, EOS, USER, TOOL, FIND, GET = 0, 1, 3, 5, 6, 7
-KEY = {k: 9 + i for i, k in enumerate("abcdef")}
-DIGIT = {d: 15 + d for d in range(10)}
-
-
-class ScriptedEngine(RolloutEngine):
-    """Returns scripted responses, one list of (ids, logprobs) per call; records the prompts."""
-
-    shares_policy_weights = True
-
-    def __init__(self, script):
-        super().__init__()
-        self.script = list(script)
-        self.calls = []
-
-    def start(self, spec):
-        pass
-
-    def generate(self, prompt_ids, n, params, seed):
-        self.calls.append({"prompts": [list(p) for p in prompt_ids], "n": n, "max_new_tokens": params.max_new_tokens,
-                           "seed": seed})
-        rows = self.script.pop(0)
-        assert len(rows) == len(prompt_ids) * n
-        truncated = [EOS not in ids for ids, _ in rows]
-        return Generation.from_lists([ids for ids, _ in rows], [lps for _, lps in rows], truncated, PAD)
+from gspo_lightning.rollout.engine import SamplingParams
+from gspo_lightning.rollout.episodes import run_episodes
+from tests.helpers_episodes import (
+    ANSWER, CALL, FIND, GET, GUESS, KEY, REPLY, ROOT, ROW, USER, ScriptedEngine, logged, lookup_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +31,9 @@ def runner(tokenizer, **kwargs) -> MultiTurn:
     return episodes
 
 
-ROW = {"prompt": "find c", "key": "c", "table": "1 2 3 4 5 6", "answer": "3"}
-CALL = ([GET, KEY["c"], EOS], [-0.1, -0.2, -0.3])
-GUESS = ([DIGIT[5], EOS], [-0.6, -0.7])
-ANSWER = ([DIGIT[3], EOS], [-0.4, -0.5])
-REPLY = [TOOL, DIGIT[3]]  # "\ntool: 3\n" after the turn's <eos> (tiny-lookup's generation prompt is empty)
-
-
 def test_an_episode_holds_the_sampled_ids_and_the_reply_rendered_once_with_masks(tokenizer):
     engine = ScriptedEngine([[CALL, GUESS], [ANSWER]])
-    batch = runner(tokenizer).run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=5)
+    batch = run_episodes(runner(tokenizer), engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=5)
 
     prompt = [USER, FIND, KEY["c"]]
     assert engine.calls[0] == {"prompts": [prompt], "n": 2, "max_new_tokens": 12, "seed": 5}  # groups sampled as one
@@ -101,7 +66,7 @@ def test_an_episode_holds_the_sampled_ids_and_the_reply_rendered_once_with_masks
 
 def test_a_reply_that_does_not_fit_the_budget_is_not_appended_and_the_episode_is_truncated(tokenizer):
     engine = ScriptedEngine([[CALL, GUESS]])
-    batch = runner(tokenizer).run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=5), seed=0)
+    batch = run_episodes(runner(tokenizer), engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=5), seed=0)
     assert len(engine.calls) == 1  # no second turn: 3 sampled + 2 reply tokens leave no room for an answer
     assert batch.generation.lengths.tolist() == [3, 2]
     assert batch.generation.truncated.tolist() == [True, False]
@@ -111,13 +76,13 @@ def test_a_reply_that_does_not_fit_the_budget_is_not_appended_and_the_episode_is
 
 def test_max_turns_and_max_turn_tokens_end_episodes(tokenizer):
     engine = ScriptedEngine([[CALL, GUESS]])
-    batch = runner(tokenizer, max_turns=1).run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
+    batch = run_episodes(runner(tokenizer, max_turns=1), engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
     assert batch.stats["episode/ended_max_turns"] == 0.5 and not batch.generation.truncated.any()
     assert batch.stats["episode/tool_calls"] == 0.5  # the last turn's call still ran and counted
 
     long_turn = ([GET, KEY["c"], KEY["d"]], [-0.1, -0.1, -0.1])  # no <eos> within max_turn_tokens
     engine = ScriptedEngine([[long_turn, GUESS]])
-    batch = runner(tokenizer, max_turn_tokens=3).run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
+    batch = run_episodes(runner(tokenizer, max_turn_tokens=3), engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
     assert engine.calls[0]["max_new_tokens"] == 3
     assert batch.stats["episode/ended_turn_tokens"] == 0.5 and batch.generation.truncated.tolist() == [True, False]
 
@@ -132,10 +97,10 @@ def test_an_environment_that_raises_stops_the_run_with_its_context_or_ends_the_e
     episodes = MultiTurn(RaisingEnvironment(), end_of_turn="")
     episodes.start(tokenizer)
     with pytest.raises(RuntimeError, match=r"RaisingEnvironment raised in step\(\) at turn 1 \(KeyError.*on_environment_error=end"):
-        episodes.run(ScriptedEngine([[CALL]]), ["find c"], [ROW], 1, params, seed=0)
+        run_episodes(episodes, ScriptedEngine([[CALL]]), ["find c"], [ROW], 1, params, seed=0)
     episodes = MultiTurn(RaisingEnvironment(), end_of_turn="", on_environment_error="end")
     episodes.start(tokenizer)
-    batch = episodes.run(ScriptedEngine([[CALL]]), ["find c"], [ROW], 1, params, seed=0)
+    batch = run_episodes(episodes, ScriptedEngine([[CALL]]), ["find c"], [ROW], 1, params, seed=0)
     assert batch.stats["episode/ended_environment_error"] == 1.0 and batch.generation.lengths.tolist() == [3]
 
 
@@ -153,7 +118,7 @@ class RewardingEnvironment(Environment):
 def test_turn_rewards_reach_the_episode(tokenizer):
     episodes = MultiTurn(RewardingEnvironment(), end_of_turn="")
     episodes.start(tokenizer)
-    batch = episodes.run(ScriptedEngine([[CALL], [ANSWER]]), ["find c"], [ROW], 1, SamplingParams(max_new_tokens=12), seed=0)
+    batch = run_episodes(episodes, ScriptedEngine([[CALL], [ANSWER]]), ["find c"], [ROW], 1, SamplingParams(max_new_tokens=12), seed=0)
     assert batch.turn_rewards == [[0.5, 0.25]]
 
 
@@ -191,25 +156,6 @@ def test_environment_tokens_change_nothing_in_the_loss():
     compact_mask = torch.tensor([[1] * 5 + [0] * 3, [1] * 5 + [0] * 3], dtype=torch.bool)
     alone, _ = policy_loss(compact(logprobs), compact(old), adv, compact_mask, ref_logprobs=compact(ref), **kwargs)
     assert torch.allclose(episode, alone, atol=1e-7)
-
-
-def lookup_config(folder: Path, **model) -> Path:
-    config = yaml.safe_load((ROOT / "configs" / "episodes_lookup.yaml").read_text())
-    config["trainer"].update({"max_steps": 2, "default_root_dir": str(folder), "val_check_interval": 2,
-                              "num_sanity_val_steps": 0, "enable_progress_bar": False})
-    config["data"].update({"val_size": 8, "rollout_batch_size": 4})
-    config["model"].update({"num_return_sequences_in_group": 4, "mini_batch_size": 8, "export_on_fit_end": False, **model})
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "cfg.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def logged(folder: Path) -> list[dict]:
-    rows = []
-    for file in sorted(folder.glob("csv/version_*/metrics.csv")):
-        rows += [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(open(file)) if r.get("reward/mean")]
-    return rows
 
 
 def test_episodes_through_gspo_fit_have_no_engine_trainer_gap(tmp_path):

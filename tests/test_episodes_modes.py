@@ -11,37 +11,17 @@ import torch
 import yaml
 
 from gspo_lightning.data.tasks.lookup import LookupEnvironment
-from gspo_lightning.episodes.messages import StepResult
-from tests.test_episodes import ScriptedEngine, logged, lookup_config
-from tests.test_resume import metric_rows, policy_state
+from tests.helpers_episodes import ScriptedEngine, logged, lookup_config
+from tests.helpers_fit import metric_rows, policy_state
 
 EPISODE_KEYS = ("episode/turns", "episode/tool_calls", "episode/environment_token_frac", "episode/ended_done")
 
 
-class RepliesToEveryTurn(LookupEnvironment):
-    """The lookup environment, but a first turn that is no call gets the row's answer as a tool
-    reply too, and the second turn ends the episode: random weights rarely call ``get``, and these
-    tests need multi-turn episodes (environment tokens inside the sequence) from the first step."""
-
-    def reset(self, row: dict, prompt: list[dict]) -> list[dict]:
-        self.answer, self.turns = str(row["answer"]), 0
-        return super().reset(row, prompt)
-
-    def step(self, assistant_message: dict) -> StepResult:
-        self.turns += 1
-        if self.turns >= 2:
-            return StepResult(messages=[], done=True)
-        result = super().step(assistant_message)
-        if result.done:
-            return StepResult(messages=[{"role": "tool", "name": "get", "content": self.answer}])
-        return result
-
-
 def episodes_config(folder: Path, **model) -> Path:
-    """``lookup_config`` with :class:`RepliesToEveryTurn` and turns as long as the budget allows."""
+    """``lookup_config`` with ``helpers_episodes.RepliesToEveryTurn`` and turns as long as the budget allows."""
     path = lookup_config(folder, **model)
     config = yaml.safe_load(path.read_text())
-    config["model"]["episodes"].update({"environment": {"class_path": "tests.test_episodes_modes.RepliesToEveryTurn"},
+    config["model"]["episodes"].update({"environment": {"class_path": "tests.helpers_episodes.RepliesToEveryTurn"},
                                         "max_turn_tokens": None})
     path.write_text(yaml.safe_dump(config))
     return path
@@ -149,19 +129,20 @@ def test_an_episode_whose_turns_saw_other_weights_is_as_old_as_its_oldest_turn()
     """A push between turns (rank 0 pushing to a server another rank samples from) gives turns of two
     versions: the rollout's version, and so its lag and its off-policy correction, is the older."""
     from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
-    from gspo_lightning.episodes.runner import MultiTurn
+    from gspo_lightning.episodes.multi_turn import MultiTurn
+    from gspo_lightning.rollout.episodes import run_episodes
     from gspo_lightning.rollout.engine import SamplingParams
-    from tests.test_episodes import ANSWER, CALL, GUESS, ROW
+    from tests.helpers_episodes import ANSWER, CALL, GUESS, ROW
 
     tokenizer = build_tokenizer(get_spec("tiny-lookup"))
     episodes = MultiTurn(LookupEnvironment(), end_of_turn="")
     episodes.start(tokenizer)
     engine = VersionedEngine([[CALL, GUESS], [ANSWER]], versions=[6, 8])
-    batch = episodes.run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
+    batch = run_episodes(episodes, engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
     assert batch.stats["episode/turns"] == 1.5  # the second turn ran, with version 8
     assert batch.generation.weights_version == 6
     engine = VersionedEngine([[GUESS, GUESS]], versions=[None])  # an engine that reports nothing: its own version
-    assert episodes.run(engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0).generation.weights_version is None
+    assert run_episodes(episodes, engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0).generation.weights_version is None
 
 
 # -- 2. synchronous stop and resume ---------------------------------------------------------------
@@ -184,7 +165,7 @@ def test_a_rollout_server_serves_episodes_from_token_ids_without_a_gap(tmp_path,
     from gspo_lightning.cli import main
     from gspo_lightning.rollout.remote import RemoteEngine
     from tests.helpers import serve_in_thread
-    from tests.test_episodes import TOOL
+    from tests.helpers_episodes import TOOL
 
     app, httpd, url = serve_in_thread("builtin:tiny-lookup", {"class_path": "gspo_lightning.rollout.HFEngine"},
                                       prompt_length=8, response_length=12)
@@ -240,15 +221,16 @@ def test_async_episodes_from_a_rollout_server(tmp_path):
 def episode_rollout(script, rewards, tag):
     """A rollout of two lookup episodes (one group) from scripted turns, as the worker builds it."""
     from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
-    from gspo_lightning.episodes.runner import MultiTurn
+    from gspo_lightning.episodes.multi_turn import MultiTurn
+    from gspo_lightning.rollout.episodes import run_episodes
     from gspo_lightning.rollout.engine import SamplingParams
     from gspo_lightning.rollout.worker import Rollout, build_rollout_tensors
-    from tests.test_episodes import ROW
+    from tests.helpers_episodes import ROW
 
     tokenizer = build_tokenizer(get_spec("tiny-lookup"))
     episodes = MultiTurn(LookupEnvironment(), end_of_turn="")
     episodes.start(tokenizer)
-    batch = episodes.run(ScriptedEngine(script), [ROW["prompt"]], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
+    batch = run_episodes(episodes, ScriptedEngine(script), [ROW["prompt"]], [ROW], 2, SamplingParams(max_new_tokens=12), seed=0)
     tensors = build_rollout_tensors(batch.prompt_ids, batch.generation, 1, tokenizer.pad_token_id, torch.device("cpu"),
                                     loss_mask=batch.loss_mask)
     return Rollout(**tensors, rewards=torch.tensor(rewards), reward_components={"r": torch.tensor(rewards)}, group_size=2,
@@ -258,7 +240,7 @@ def episode_rollout(script, rewards, tag):
 
 def test_select_groups_keeps_environment_tokens_attended_and_out_of_the_response_mask():
     from gspo_lightning.rollout.dynamic_sampling import select_groups
-    from tests.test_episodes import (
+    from tests.helpers_episodes import (
         ANSWER,
         CALL,
         DIGIT,
@@ -294,7 +276,7 @@ def test_the_environment_token_fraction_is_the_kept_rows_tokens():
     """Logged from the step's masks, weighted by tokens: what a step trains on, the same over ranks."""
     from gspo_lightning.rollout.dynamic_sampling import select_groups
     from gspo_lightning.training.metrics import StepMetrics, record_rollout
-    from tests.test_episodes import ANSWER, CALL, GUESS, PAD
+    from tests.helpers_episodes import ANSWER, CALL, GUESS, PAD
 
     single = episode_rollout([[GUESS, GUESS]], [0.0, 0.0], "s")
     multi = episode_rollout([[CALL, GUESS], [ANSWER]], [1.0, 0.0], "m")
@@ -311,21 +293,22 @@ def test_ranks_of_a_sharded_policy_take_every_turn_together():
     stand-in turn while another rank goes on, and every turn asks for the whole budget; the
     episodes are the ones the free loop makes (tests/test_distributed.py runs it on 2 ranks)."""
     from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
-    from gspo_lightning.episodes.runner import MultiTurn
+    from gspo_lightning.episodes.multi_turn import MultiTurn
+    from gspo_lightning.rollout.episodes import run_episodes
     from gspo_lightning.rollout.engine import SamplingParams
-    from tests.test_episodes import CALL, GUESS, ROW
+    from tests.helpers_episodes import CALL, GUESS, ROW
 
     tokenizer = build_tokenizer(get_spec("tiny-lookup"))
     params = SamplingParams(max_new_tokens=12)
     free = MultiTurn(LookupEnvironment(), end_of_turn="")
     free.start(tokenizer)
-    alone = free.run(ScriptedEngine([[GUESS, GUESS]]), ["find c"], [ROW], 2, params, seed=0)
+    alone = run_episodes(free, ScriptedEngine([[GUESS, GUESS]]), ["find c"], [ROW], 2, params, seed=0)
 
     asked = []
     episodes = MultiTurn(LookupEnvironment(), end_of_turn="", max_turns=3)
     episodes.start(tokenizer, lockstep=lambda done: asked.append(done) or len(asked) == 3)  # the other rank: 2 turns
     engine = ScriptedEngine([[GUESS, GUESS], [CALL]])
-    batch = episodes.run(engine, ["find c"], [ROW], 2, params, seed=0)
+    batch = run_episodes(episodes, engine, ["find c"], [ROW], 2, params, seed=0)
     assert asked == [False, True, True]  # live at turn 1, done here at turns 2 and 3
     assert len(engine.calls) == 2 and engine.calls[1]["n"] == 1 and engine.calls[1]["max_new_tokens"] == 12
     assert torch.equal(batch.generation.completion_ids, alone.generation.completion_ids)

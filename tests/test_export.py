@@ -9,7 +9,7 @@ from gspo_lightning.run.export import check_auto_tokenizer, export_checkpoint
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.models.loading import load_policy, load_tokenizer
 from gspo_lightning.data.tasks import save_tiny
-from tests.test_module import fit, make_module
+from tests.helpers_fit import fit, make_module
 
 
 def test_fit_exports_and_checkpoint_export_round_trips(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 
 from gspo_lightning.run.export import export_checkpoint
-from tests.test_module import fit, make_module
+from tests.helpers_fit import fit, make_module
 
 
 def test_export_from_a_checkpoint_with_no_tied_weights_declared(tmp_path, monkeypatch):

@@ -40,7 +40,7 @@ def test_generation_and_shared_prompt_logprobs_give_no_cache_deprecation_warning
     # on every decode step of the generic cache loop and every shared-prompt log-prob pass
     from gspo_lightning.training.logprobs import response_logprobs
     from gspo_lightning.rollout.engine import SamplingParams
-    from tests.test_engine import make_engine, prompts, rollout_batch
+    from tests.helpers_engine import make_engine, prompts, rollout_batch
 
     engine, tok = make_engine(tiny_gsm8k)
     engine.model.model.layers[0].register_forward_hook(lambda *args: None)  # the generic cache loop, not kv_decode's

@@ -331,7 +331,7 @@ def test_asynchronous_rollouts_come_from_the_adapters_of_their_version(base_fold
 def test_gspo_serve_reads_the_adapters_a_config_pushes():
     """``gspo serve --config``: a LoRA config's server expects adapter pushes (its engine's
     ``lora_sync`` unset or ``adapter``), a ``lora_sync: merged`` one full weights."""
-    from gspo_lightning.rollout.server import spec_from_config
+    from gspo_lightning.run.serve import spec_from_config
 
     remote = {"class_path": "gspo_lightning.rollout.RemoteEngine", "init_args": {"urls": ["http://h:1"]}}
     config = {"model": {"model_name_or_path": "m", "lora": {"rank": 16, "alpha": 32}, "engine": remote}}

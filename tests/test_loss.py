@@ -2,9 +2,9 @@
 
 Every expected value is computed independently of the code under test: by hand for small
 cases, or by the deliberately naive loop reference ``naive_policy_loss`` below (plain Python
-floats, ``math.exp``, one loop over responses and one over tokens). Gradients of the naive
-reference are taken by central finite differences, never by autograd through the code
-under test.
+floats, ``math.exp``, one loop over responses and one over tokens; the parts the objective
+tests share are in ``tests/helpers_loss.py``). Gradients of the naive reference are taken by
+central finite differences, never by autograd through the code under test.
 """
 
 from __future__ import annotations
@@ -16,28 +16,14 @@ import torch
 from torch.testing import assert_close
 
 from gspo_lightning.objective.loss import aggregate_loss, kl_penalty, policy_loss
+from tests.helpers_loss import DT, LEVELS, MODES, make_mask, naive_aggregate, naive_kl, random_batch
 
-LEVELS = ("token", "seq", "seq-token")
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-sum-token-sum-norm")
 ESTIMATORS = ("k1", "k2", "k3")
-
-DT = torch.float64
 
 
 # --------------------------------------------------------------------------------------
 # naive reference
 # --------------------------------------------------------------------------------------
-
-
-def _naive_kl(lp: float, ref: float, estimator: str) -> float:
-    u = ref - lp
-    if estimator == "k1":
-        return -u
-    if estimator == "k2":
-        return u * u / 2.0
-    if estimator == "k3":
-        return math.exp(u) - u - 1.0
-    raise AssertionError(estimator)
 
 
 def naive_token_losses(lp, old, adv, mask, *, level, clip_low, clip_high, dual_clip=None,
@@ -74,39 +60,10 @@ def naive_token_losses(lp, old, adv, mask, *, level, clip_low, clip_high, dual_c
                 obj = max(obj, dual_clip * a)
             loss = -obj
             if ref is not None and kl_coef != 0.0:
-                loss += kl_coef * _naive_kl(lp[i][t], ref[i][t], kl_estimator)
+                loss += kl_coef * naive_kl(lp[i][t], ref[i][t], kl_estimator)
             losses.append((t, loss))
         out.append(losses)
     return out
-
-
-def naive_aggregate(per_seq, mode, *, horizon, num_seqs=None, num_tokens=None):
-    n = sum(1 for s in per_seq if len(s) > 0) if num_seqs is None else num_seqs
-    n_tok = sum(len(s) for s in per_seq) if num_tokens is None else num_tokens
-    if mode == "token-mean":
-        total = 0.0
-        for s in per_seq:
-            for _, l in s:
-                total += l
-        return total / max(n_tok, 1)
-    total = 0.0
-    for s in per_seq:
-        if not s:
-            continue
-        seq_sum = 0.0
-        for _, l in s:
-            seq_sum += l
-        if mode == "seq-mean-token-sum":
-            total += seq_sum
-        elif mode == "seq-mean-token-mean":
-            total += seq_sum / len(s)
-        elif mode in ("seq-mean-token-sum-norm", "seq-sum-token-sum-norm"):
-            total += seq_sum / horizon
-        else:
-            raise AssertionError(mode)
-    if mode == "seq-sum-token-sum-norm":  # ROLL's: summed over sequences, never divided by their number
-        return total
-    return total / max(n, 1)
 
 
 def naive_policy_loss(lp, old, adv, mask, *, mode, horizon=None, num_seqs=None, num_tokens=None,
@@ -157,24 +114,6 @@ def naive_clip_counts(lp, old, adv, mask, *, level, clip_low, clip_high):
 # --------------------------------------------------------------------------------------
 # data
 # --------------------------------------------------------------------------------------
-
-
-def make_mask(lengths, T):
-    return torch.tensor([[1.0 if t < L else 0.0 for t in range(T)] for L in lengths], dtype=DT)
-
-
-def random_batch(seed, lengths=(5, 1, 7, 3, 0, 6, 4), T=8, *, spread=0.3, per_token_adv=False):
-    g = torch.Generator().manual_seed(seed)
-    B = len(lengths)
-    mask = make_mask(lengths, T)
-    old = -torch.rand(B, T, generator=g, dtype=DT) * 3.0 - 0.1
-    lp = old + torch.randn(B, T, generator=g, dtype=DT) * spread
-    ref = old + torch.randn(B, T, generator=g, dtype=DT) * 0.2
-    if per_token_adv:
-        adv = torch.randn(B, T, generator=g, dtype=DT)
-    else:
-        adv = torch.randn(B, generator=g, dtype=DT)
-    return lp, old, ref, adv, mask
 
 
 def clip_kw(level):

@@ -10,7 +10,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from gspo_lightning.rewards import RewardSpec
 from gspo_lightning.rollout import HFEngine
-from tests.test_module import fit, make_module
+from tests.helpers_fit import fit, make_module
 
 INITIAL_SCALE = 2.0**16  # GradScaler's default
 
@@ -29,7 +29,7 @@ class FullPrecisionEngine(HFEngine):
 
 def one_step(tmp_path, plugins, **overrides):
     torch.manual_seed(0)  # the tiny model's initial weights
-    module = make_module(engine=FullPrecisionEngine(), rewards=[RewardSpec(function="tests.test_module.reward_by_text")],
+    module = make_module(engine=FullPrecisionEngine(), rewards=[RewardSpec(function="tests.helpers_fit.reward_by_text")],
                          num_mini_batches=1, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), **overrides)
     module.configure_model()
     before = [p.detach().clone() for p in module.policy.parameters()]
@@ -73,7 +73,7 @@ def test_an_overflowing_step_is_skipped_and_lowers_the_scale(tmp_path):
 
     module = make_module(overflow_once(GSPOModule), engine=FullPrecisionEngine(), num_mini_batches=2,
                          max_consecutive_nonfinite=1,  # an overflow the scaler handles is not a failure
-                         rewards=[RewardSpec(function="tests.test_module.reward_by_text")],
+                         rewards=[RewardSpec(function="tests.helpers_fit.reward_by_text")],
                          optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
     trainer = fit(module, tmp_path, max_steps=1, plugins=[scaled_fp16()])
     assert trainer.precision_plugin.scaler.get_scale() == INITIAL_SCALE / 2
@@ -91,7 +91,7 @@ def test_overflows_below_a_scale_of_one_are_failures(tmp_path):
             return super()._logprobs(model, rollout, rows)
 
     module = make_module(AlwaysOverflowing, engine=FullPrecisionEngine(), num_mini_batches=2, max_consecutive_nonfinite=2,
-                         rewards=[RewardSpec(function="tests.test_module.reward_by_text")])
+                         rewards=[RewardSpec(function="tests.helpers_fit.reward_by_text")])
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
     with pytest.raises(NonFiniteError, match="2 updates in a row"):
         fit(module, tmp_path, max_steps=5, plugins=[plugin])

@@ -12,33 +12,7 @@ from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.module import GSPOModule, NonFiniteError
 from gspo_lightning.rewards import RewardSpec
 from gspo_lightning.rollout import HFEngine
-
-ECHO_REWARD = [RewardSpec(function="gspo_lightning.data.tasks.echo.echo_reward")]
-
-
-def make_module(cls=GSPOModule, **overrides):
-    kwargs = dict(
-        model_name_or_path="builtin:tiny-echo", rewards=ECHO_REWARD, num_return_sequences_in_group=4,
-        response_length=5, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
-
-
-def fit(module, tmp_path, max_steps, rollout_batch_size=4, ckpt_path=None, **trainer_kwargs):
-    L.seed_everything(0, verbose=False)
-    data = PromptDataModule(path="builtin:echo", tokenizer=module.hparams.model_name_or_path,
-                            rollout_batch_size=rollout_batch_size, prompt_length=8, val_size=8)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-        enable_checkpointing=trainer_kwargs.pop("enable_checkpointing", False),
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path, **trainer_kwargs,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    return trainer
+from tests.helpers_fit import fit, make_module
 
 
 class RecordingEngine(HFEngine):
@@ -82,7 +56,7 @@ def test_rollout_at_step_k_comes_from_the_weights_after_the_updates_of_step_k_mi
 def test_the_paper_schedule_is_the_default_four_optimizer_steps_per_rollout(tmp_path):
     module = make_module()
     trainer = fit(module, tmp_path, max_steps=2)
-    assert module.hparams.num_mini_batches == 4
+    assert module.settings.update.num_mini_batches == 4
     assert module.policy_version == 8 and trainer.global_step == 2
     # sequence ratios move off 1 after the first mini-batch, so the clip can act
     assert float(trainer.callback_metrics["loss/ratio_max"]) > 1.0
@@ -154,14 +128,9 @@ class NoisyEngine(HFEngine):
         return generation
 
 
-def reward_by_text(prompts, completions, **columns):
-    """Scores that vary within every group, whatever the policy samples (advantages are never all 0)."""
-    return [float(sum(map(ord, c)) % 7) for c in completions]
-
-
 def test_engine_mismatch_that_clips_before_any_update_is_logged_and_warned(tmp_path):
     module = make_module(engine=NoisyEngine(), old_logprobs="engine",
-                         rewards=[RewardSpec(function="tests.test_module.reward_by_text")])
+                         rewards=[RewardSpec(function="tests.helpers_fit.reward_by_text")])
     L.seed_everything(0, verbose=False)
     data = PromptDataModule(path="builtin:echo", tokenizer="builtin:tiny-echo", rollout_batch_size=4, prompt_length=8, val_size=8)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,

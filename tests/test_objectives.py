@@ -8,7 +8,6 @@ gradients are central finite differences, never autograd through the code under 
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 
@@ -17,8 +16,9 @@ import torch
 from torch.testing import assert_close
 
 from gspo_lightning.objective.loss import policy_loss
-from gspo_lightning.objective.options import clip_range, validate_gspo_settings
-from tests.test_loss import DT, LEVELS, MODES, _naive_kl, make_mask, naive_aggregate, random_batch
+from gspo_lightning.objective.loss import OBJECTIVES
+from gspo_lightning.training.config import BLOCK_OF, BLOCKS, OBJECTIVE_KEYS, ModuleSettings, nest_flat_keys
+from tests.helpers_loss import DT, LEVELS, MODES, make_mask, naive_aggregate, naive_kl, random_batch
 
 NEW = ("sapo", "cispo", "gmpo")
 # (type, level) pairs that exist: gmpo's ratio is a sequence ratio
@@ -83,7 +83,7 @@ def naive_objective_losses(lp, old, adv, mask, *, loss_type, level, clip_low=0.2
                     loss = -weight * a * lp[i][t]
                 losses.append((t, loss))
         if ref is not None and kl_coef:
-            losses = [(t, l + kl_coef * _naive_kl(lp[i][t], ref[i][t], "k3")) for t, l in losses]
+            losses = [(t, l + kl_coef * naive_kl(lp[i][t], ref[i][t], "k3")) for t, l in losses]
         out.append(losses)
     return out
 
@@ -403,11 +403,11 @@ def test_ppo_is_the_default_and_the_same_bits():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(policy_loss_type="grpo"), "policy_loss_type must be one of 'ppo', 'sapo', 'cispo', 'gmpo'"),
-    (dict(policy_loss_type="sapo", sapo_tau_pos=0.0), "sapo_tau_pos and sapo_tau_neg must be > 0"),
+    (dict(policy_loss_type="sapo", sapo_tau_pos=0.0), "tau_pos must be > 0"),
     (dict(policy_loss_type="sapo", sapo_tau_neg=-1.05), "must be > 0"),
     (dict(policy_loss_type="cispo", dual_clip=3.0), "dual_clip bounds PPO's clipped surrogate"),
-    (dict(policy_loss_type="gmpo", importance_sampling="token"), "pass importance_sampling='seq'"),
-    (dict(policy_loss_type="gmpo", importance_sampling="seq-token"), "pass importance_sampling='seq'"),
+    (dict(policy_loss_type="gmpo", importance_sampling="token"), "set importance_sampling: seq"),
+    (dict(policy_loss_type="gmpo", importance_sampling="seq-token"), "set importance_sampling: seq"),
 ])
 def test_bad_combinations_raise(kwargs, message):
     lp, old, ref, adv, mask = random_batch(12, lengths=(2, 3), T=3)
@@ -420,29 +420,26 @@ def test_bad_combinations_raise(kwargs, message):
 # --------------------------------------------------------------------------------------
 
 
-def module_settings(**overrides):
-    """``GSPOModule``'s defaults, as ``validate_gspo_settings`` receives them, with ``overrides``."""
-    from gspo_lightning.training.module import GSPOModule
-
-    params = inspect.signature(GSPOModule.__init__).parameters
-    settings = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
-    return {**settings, **overrides}
+def validate(**flat_keys):
+    """``GSPOModule``'s blocks built and checked from its flat keys (``training/config.py``)."""
+    blocks, _ = nest_flat_keys(flat_keys)
+    return ModuleSettings.build(**{name: blocks.get(name) for name in BLOCKS})
 
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(policy_loss_type="reinforce"), "policy_loss_type must be one of"),
-    (dict(policy_loss_type="sapo", sapo_tau_pos=0.0), "sapo_tau_pos must be > 0"),
-    (dict(policy_loss_type="sapo", sapo_tau_neg=-1.0), "sapo_tau_neg must be > 0"),
-    (dict(sapo_tau_pos=2.0), "sapo_tau_pos is SAPO's gate temperature: set policy_loss_type=sapo"),
-    (dict(policy_loss_type="cispo", sapo_tau_neg=2.0), "sapo_tau_neg is SAPO's gate temperature"),
-    (dict(policy_loss_type="sapo", clip_high=0.2), "clip_high sets a clip range, and sapo has none"),
-    (dict(policy_loss_type="gmpo", dual_clip_loss=True), "dual_clip_loss bounds PPO's clipped surrogate"),
+    (dict(policy_loss_type="sapo", sapo_tau_pos=0.0), "tau_pos must be > 0"),
+    (dict(policy_loss_type="sapo", sapo_tau_neg=-1.0), "tau_neg must be > 0"),
+    (dict(sapo_tau_pos=2.0), "sapo_tau_pos is not a setting of the ppo objective"),
+    (dict(policy_loss_type="cispo", sapo_tau_neg=2.0), "sapo_tau_neg is not a setting of the cispo objective"),
+    (dict(policy_loss_type="sapo", clip_high=0.2), "clip_high is not a setting of the sapo objective"),
+    (dict(policy_loss_type="gmpo", dual_clip_loss=True), "dual_clip is not a setting of the gmpo objective"),
     (dict(policy_loss_type="gmpo", importance_sampling="token"), "gmpo's ratio is the geometric mean"),
     (dict(policy_loss_type="gmpo", add_token_level_kl=True, kl_coef=0.1), "turn add_token_level_kl off"),
 ])
 def test_config_rejects_bad_combinations(overrides, message):
-    with pytest.raises(ValueError, match="invalid GSPO configuration") as err:
-        validate_gspo_settings(module_settings(**overrides))
+    with pytest.raises(ValueError) as err:
+        validate(**overrides)
     assert message in str(err.value)
 
 
@@ -457,20 +454,27 @@ def test_config_rejects_bad_combinations(overrides, message):
 def test_config_accepts_good_combinations_silently(overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_gspo_settings(module_settings(**overrides))
+        validate(**overrides)
 
 
 def test_ppo_still_rejects_clip_low_of_1():
     with pytest.raises(ValueError, match="clip_low must be < 1"):
-        validate_gspo_settings(module_settings(clip_low=1.0))
+        validate(clip_low=1.0)
 
 
 def test_sapo_at_sequence_level_with_the_papers_temperatures_warns_that_the_gate_never_acts():
     with pytest.warns(UserWarning, match="gate passes nearly all of the gradient"):
-        validate_gspo_settings(module_settings(policy_loss_type="sapo"))
+        validate(policy_loss_type="sapo")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_gspo_settings(module_settings(policy_loss_type="sapo", sapo_tau_pos=4000.0, sapo_tau_neg=4000.0))
+        validate(policy_loss_type="sapo", sapo_tau_pos=4000.0, sapo_tau_neg=4000.0)
+
+
+def clip_range(level, low, high, name="ppo"):
+    """The resolved clip range of objective ``name`` with ``low`` / ``high`` set (None: its default)."""
+    given = {key: value for key, value in (("clip_low", low), ("clip_high", high)) if value is not None}
+    objective = OBJECTIVES[name](**given).resolved(level)
+    return objective.clip_low, objective.clip_high
 
 
 def test_default_clip_ranges_by_objective():
@@ -501,8 +505,9 @@ def test_the_clip_budget_counts_what_the_loss_flags(loss_type, level):
     if loss_type == "sapo":
         kw = dict(sapo_tau_pos=taus[0], sapo_tau_neg=taus[1])
     _, m = policy_loss(lp, b, adv, mask, importance_sampling=level, policy_loss_type=loss_type, **kw)
-    counts = attribute_clips(split_log_ratio(lp, o, b, o_b), PARTS, mask, adv, level=level, policy_loss_type=loss_type,
-                             clip_low=kw.get("clip_low", 0.0), clip_high=kw.get("clip_high", 0.0), sapo_tau=taus)
+    objective = OBJECTIVES[loss_type](tau_pos=taus[0], tau_neg=taus[1]) if loss_type == "sapo" else \
+        OBJECTIVES[loss_type](clip_low=kw["clip_low"], clip_high=kw["clip_high"])
+    counts = attribute_clips(split_log_ratio(lp, o, b, o_b), PARTS, mask, adv, level=level, objective=objective)
     flagged = m["gate_saturated_frac" if loss_type == "sapo" else "clip_frac"]
     assert 0 < flagged < 1
     assert_close(counts["clipped"] / counts["units"], flagged.to(DT).float(), rtol=1e-6, atol=1e-7, check_dtype=False)
@@ -517,7 +522,7 @@ def test_sapo_budget_bounds_are_the_gates_half_weight_points():
     w = torch.tensor([[1.17], [1.18], [0.83], [0.82], [2.76], [2.77], [0.01]], dtype=DT)
     adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0], dtype=DT)
     counts = attribute_clips({"update": torch.log(w)}, ("update",), torch.ones(7, 1, dtype=torch.bool), adv, level="token",
-                             clip_low=0.0, clip_high=0.0, policy_loss_type="sapo", sapo_tau=(1.0, 10.0))
+                             objective=OBJECTIVES["sapo"](tau_pos=1.0, tau_neg=10.0))
     assert float(counts["clipped"]) == 3.0  # 1.18, 0.82 (tau 10) and 2.77 (tau 1)
 
 
@@ -596,9 +601,10 @@ def test_every_staleness_arm_of_the_experiment_is_a_valid_config(tmp_path):
             path = script.config(tmp_path / f"{method}-{correction}", seed=0, steps=1, k=1, engine="copy", method=method,
                                  correction=correction)
             model = yaml.safe_load(path.read_text())["model"]
-            keys = module_settings()
+            keys = set(BLOCKS) | set(BLOCK_OF) | set(OBJECTIVE_KEYS)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 # the arm without correction trains stale rollouts as on-policy on purpose (the baseline)
                 warnings.filterwarnings("ignore", message=r"max_staleness=\d+ with old_logprobs=recompute and no off_policy")
-                validate_gspo_settings(module_settings(**{k: v for k, v in model.items() if k in keys}))
+                blocks, _ = nest_flat_keys({k: v for k, v in model.items() if k in keys})
+                ModuleSettings.build(**{name: blocks.get(name) for name in BLOCKS})

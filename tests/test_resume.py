@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from gspo_lightning.cli import main
+from tests.helpers_fit import metric_rows, policy_state, write_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,53 +29,6 @@ def any_echo_reward(prompts, completions, target, **columns) -> list[float]:
 
 DYNAMIC = {"dynamic_sampling": True, "max_sampling_rounds": 2, "overlong_filtering": True,
            "rewards": [{"function": "tests.test_resume.any_echo_reward"}]}
-
-
-def write_config(folder: Path, max_steps: int, response_length: int = 5, **model) -> Path:
-    config = {
-        "seed_everything": 11,
-        "trainer": {
-            "accelerator": "cpu", "devices": 1, "max_steps": max_steps, "limit_val_batches": 0,
-            "default_root_dir": str(folder), "enable_progress_bar": False, "enable_model_summary": False,
-            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(folder), "name": "csv"}}],
-        },
-        "checkpoint": {"dirpath": str(folder / "ckpt"), "every_n_train_steps": 1},
-        "model": {
-            "model_name_or_path": "builtin:tiny-echo",
-            "rewards": [{"function": "gspo_lightning.data.tasks.echo.echo_reward"}],
-            "num_return_sequences_in_group": 4, "response_length": response_length,
-            "reward_norm": "running", "mini_batch_size": 8, "ppo_epochs": 1,
-            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003}},
-            "lr_scheduler": {"class_path": "torch.optim.lr_scheduler.LinearLR",
-                             "init_args": {"start_factor": 1.0, "end_factor": 0.2, "total_iters": 12}},
-            **model,
-        },
-        "data": {"path": "builtin:echo", "rollout_batch_size": 4, "prompt_length": 8, "val_size": 0},
-    }
-    path = folder / "cfg.yaml"
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def metric_rows(folder: Path) -> dict[float, dict[str, str]]:
-    """policy_version -> logged row, over all runs in the folder, without wall-clock and machine-load
-    metrics (``cpu/``: the thread rule times its own first steps, so a resumed process may pick
-    another count for a while) and without values not measured at that step (NaN: a resumed
-    process has not seen the key yet)."""
-    rows = {}
-    for file in sorted(folder.glob("csv/version_*/metrics.csv")):
-        with open(file) as handle:
-            for row in csv.DictReader(handle):
-                if row.get("policy_version"):
-                    rows[float(row["policy_version"])] = {
-                        k: v for k, v in row.items() if v and v != "nan" and not k.startswith(("time/", "perf/", "cpu/")) and k != "step"}
-    return rows
-
-
-def policy_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    return {k: v for k, v in state.items() if k.startswith("policy.")}
 
 
 @pytest.mark.parametrize("model", [{}, DYNAMIC], ids=["plain", "dynamic_sampling"])
@@ -133,23 +87,13 @@ def test_signal_writes_a_checkpoint_exits_cleanly_and_resumes(tmp_path, sig):
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["gspo"]["policy_version"] == stopped_at + 4
 
 
-CALLS = {"n": 0}
-
-
-def reward_that_fails_on_the_third_call(prompts, completions, **columns):
-    CALLS["n"] += 1
-    if CALLS["n"] == 3:
-        raise RuntimeError("the grader is down")
-    return [float(len(c) > 0) for c in completions]
-
-
 def test_a_failing_reward_function_stops_the_run_with_a_checkpoint_of_the_work_so_far(tmp_path):
     from gspo_lightning.rewards import RewardSpec
     from gspo_lightning.rewards.base import RewardError
-    from tests.test_module import fit, make_module
+    from tests.helpers_fit import CALLS, fit, make_module
 
     CALLS["n"] = 0
-    reward = [RewardSpec(function="tests.test_resume.reward_that_fails_on_the_third_call")]
+    reward = [RewardSpec(function="tests.helpers_fit.reward_that_fails_on_the_third_call")]
     module = make_module(rewards=reward, num_mini_batches=2)
     with pytest.raises(RewardError, match="the grader is down"):
         fit(module, tmp_path, max_steps=5, enable_checkpointing=True)

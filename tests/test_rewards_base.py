@@ -130,6 +130,21 @@ def test_bad_specs_are_clear():
         RewardComposer([always(1.0), always(2.0)])
 
 
+def test_a_module_path_of_0_1_is_answered_with_the_new_one():
+    """0.1's paths no longer import: the error says, in one line, what to write instead."""
+    import sys
+
+    with pytest.raises(ValueError) as error:
+        RewardComposer([RewardSpec(function="gspo_lightning.tasks.successor.successor_reward")])
+    assert "gspo_lightning.tasks.successor moved to gspo_lightning.data.tasks.successor: write that in the config" \
+        in str(error.value) and "\n" not in str(error.value)
+    assert "gspo_lightning.tasks" not in sys.modules
+    from gspo_lightning.data.tasks.successor import successor_reward
+
+    assert RewardComposer([RewardSpec(function="gspo_lightning.data.tasks.successor.successor_reward")]).functions[0][2] \
+        is successor_reward
+
+
 def test_a_column_named_like_an_argument_is_a_clear_error():
     with pytest.raises(ValueError, match=r"\['completions'\] clash"):
         score(RewardComposer([always(1.0)]), columns={"completions": C})

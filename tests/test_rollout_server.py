@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -19,29 +18,15 @@ import pytest
 import torch
 
 from gspo_lightning.errors import RolloutServerError
-from gspo_lightning.rollout import EngineSpec, HFEngine, RemoteEngine, SamplingParams
+from gspo_lightning.rollout import HFEngine, RemoteEngine, SamplingParams
 from gspo_lightning.rollout.remote import request_json, split_evenly
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.transport import FolderTransport, WeightsChecksum
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.data.tasks import build_tiny
 from tests.helpers import serve_in_thread
+from tests.helpers_server import HF, MODEL, free_port, policy_and_spec, prompts, serve_on, shut
 
-MODEL = "builtin:tiny-successor"
-HF = {"class_path": "gspo_lightning.rollout.HFEngine"}
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def policy_and_spec(model=MODEL, seed=0):
-    torch.manual_seed(seed)
-    policy, tok = build_tiny(model)
-    spec = EngineSpec(model_name_or_path=model, dtype="float32", prompt_length=8, response_length=6, seed=0,
-                      eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=policy, tokenizer=tok)
-    return policy, tok, spec
-
-
-def prompts(tok, k=3):
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in ["next 1", "next 7", "next 4", "next 2"][:k]]
 
 
 @pytest.fixture
@@ -50,12 +35,6 @@ def server():
     yield app, url
     httpd.shutdown()
     app.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_process_server(tmp_path, port: int) -> subprocess.Popen:
@@ -88,7 +67,7 @@ def stop(process: subprocess.Popen) -> None:
 def test_the_server_quickstarts_are_their_twins_with_rollouts_from_a_server(served, twin):
     import yaml
 
-    from gspo_lightning.rollout.server import spec_from_config
+    from gspo_lightning.run.serve import spec_from_config
 
     a, b = (yaml.safe_load((ROOT / "configs" / name).read_text()) for name in (served, twin))
     engine = a["model"].pop("engine")
@@ -296,22 +275,6 @@ def test_a_second_trainer_is_refused_until_the_first_lets_go(server):
     first.close()
     second.start(spec)  # the first closed its session
     second.close()
-
-
-def serve_on(port: int):
-    """A fresh rollout server (new ``server_id``, no weights) on ``port``, in this process."""
-    from gspo_lightning.rollout.server import RolloutServer, ServerSpec, http_server
-
-    app = RolloutServer(ServerSpec(MODEL, prompt_length=8, response_length=6, engine=HF))
-    app.start()
-    httpd = http_server(app, "127.0.0.1", port)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return app, httpd
-
-
-def shut(httpd) -> None:
-    httpd.shutdown()
-    httpd.server_close()  # the port refuses connections, as when the process is gone
 
 
 def test_a_restarted_server_gets_the_weights_again_and_samples_the_same():

@@ -7,14 +7,15 @@ import torch
 from gspo_lightning.training.metrics import StepMetrics
 from gspo_lightning.training.row_filters import loss_mask, micro_batches, rows_with_advantage
 from gspo_lightning.rollout.worker import Rollout
-from gspo_lightning.training.update import PolicyUpdater, UpdateOps, UpdateSettings
+from gspo_lightning.training.update import PolicyUpdater, UpdateOps
+from tests.helpers_update import update_settings_of
 
 
 def settings(**overrides):
     base = dict(importance_sampling="seq", clip_low=3e-4, clip_high=4e-4, dual_clip=None,
                 loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, kl_estimator="k3", horizon=3, ppo_epochs=1,
                 mini_batch_size=3, micro_batch_size=3)
-    return UpdateSettings(**{**base, **overrides})
+    return update_settings_of(**{**base, **overrides})
 
 
 def rollout_of(response_mask, truncated, group_size=1):

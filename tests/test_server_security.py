@@ -179,7 +179,7 @@ def test_only_loopback_addresses_count_as_this_machine(host, loopback):
 
 
 def test_gspo_serve_refuses_to_serve_other_machines_without_a_secret(monkeypatch, capsys):
-    from gspo_lightning.rollout.server.command import main
+    from gspo_lightning.run.serve import main
 
     monkeypatch.delenv("GSPO_SERVER_TOKEN", raising=False)
     start = time.monotonic()

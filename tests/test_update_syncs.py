@@ -6,10 +6,11 @@ backward is collective), and a strategy that measures the gradient norm in its s
 import pytest
 import torch
 
-from gspo_lightning.training.distributed import GradientSync, deepspeed_grad_norm
+from gspo_lightning.training.distributed import deepspeed_grad_norm
 from gspo_lightning.training.metrics import StepMetrics
 from gspo_lightning.rollout.worker import Rollout
-from gspo_lightning.training.update import PolicyUpdater, UpdateOps, UpdateSettings
+from gspo_lightning.training.update import PolicyUpdater, UpdateOps
+from tests.helpers_update import update_settings_of
 
 N, T = 8, 3
 
@@ -49,7 +50,7 @@ def run(micro_batch_size: int, advantages: torch.Tensor, measured=None):
             return measured
 
     ops = Recording([theta])
-    settings = UpdateSettings(importance_sampling="seq", clip_low=0.2, clip_high=0.2, dual_clip=None,
+    settings = update_settings_of(importance_sampling="seq", clip_low=0.2, clip_high=0.2, dual_clip=None,
                               loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, kl_estimator="k3", horizon=T,
                               ppo_epochs=1, mini_batch_size=4, micro_batch_size=micro_batch_size,
                               max_consecutive_nonfinite=10)
@@ -101,10 +102,3 @@ def test_deepspeed_grad_norm_is_the_engines():
 
     assert deepspeed_grad_norm(Engine(None)) is None
     assert float(deepspeed_grad_norm(Engine(0.75))) == pytest.approx(0.75)
-
-
-def test_manual_gradient_sum_skips_when_the_agreed_flag_is_false():
-    """``reduce`` trusts the flag every rank agreed on: no second collective to agree again."""
-    p = torch.nn.Parameter(torch.ones(2))
-    p.grad = torch.full((2,), float("nan"))
-    assert GradientSync("manual").reduce([p], False, torch.device("cpu")) is False

@@ -1,5 +1,5 @@
 """Weight streaming from any strategy and vLLM output conversion, without vLLM: bucket
-plans, name mapping, real FSDP1 / FSDP2 gathers (gloo on CPU), ZeRO-3 against a fake
+plans, name mapping, real FSDP2 gathers (gloo on CPU), ZeRO-3 against a fake
 ``deepspeed``, and ``RequestOutput`` -> ``Generation``."""
 
 import socket
@@ -76,7 +76,7 @@ def test_params_with_full_tensor_are_gathered_one_at_a_time():
 
 @pytest.fixture
 def gloo_world():
-    """A one-process gloo group: FSDP1 / FSDP2 gathers run for real on CPU."""
+    """A one-process gloo group: FSDP2 gathers run for real on CPU."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -108,120 +108,32 @@ def test_fsdp2_dtensor_parameters_are_gathered(gloo_world):
         assert type(tensor) is torch.Tensor and torch.equal(tensor, reference[name])
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_fsdp1_units_are_summoned_one_at_a_time(gloo_world, use_orig_params):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    model, reference = two_layers()
-    wrapped = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                   use_orig_params=use_orig_params)
-    assert sharding_kind(wrapped) == "fsdp1"
-    got = {}
-    for bucket in iter_buckets(wrapped, 1 << 20):
-        for name, tensor in bucket:
-            got[name] = tensor.clone()  # valid only until the next bucket
-    assert list(got) == list(reference)
-    for name, tensor in got.items():
-        torch.testing.assert_close(tensor, reference[name])
-
-
-class _TiedPair(nn.Module):
-    """An embedding and a head sharing one weight, as a tied LM keeps them (one FSDP1 unit)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(5, 3)
-        self.head = nn.Module()  # not an nn.Linear: the wrap policy would make it a unit of its own
-        self.head.weight = self.embed.weight
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_fsdp1_every_unit_of_a_deep_model_is_streamed(gloo_world, use_orig_params):
-    """Without use_orig_params (Lightning's FSDPStrategy default) each unit's summoned
-    parameters are new objects that die with the unit's context; a duplicate check keyed
-    on id() across units once dropped later units' weights whose ids CPython reused."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    torch.manual_seed(3)
-    policy = nn.Sequential(_TiedPair(), *[nn.Linear(3, 3) for _ in range(40)])
-    reference = {n: p.detach().clone() for n, p in policy.named_parameters()}  # the tie once
-    container = nn.Module()
-    container.policy = policy
-    root = FSDP(container, device_id=torch.device("cpu"), use_orig_params=use_orig_params,
-                auto_wrap_policy=ModuleWrapPolicy({nn.Linear, _TiedPair}))
-    got = [(n, t.clone()) for bucket in iter_buckets(root.module.policy, 1 << 20, root=root) for n, t in bucket]
-    assert [n for n, _ in got] == list(reference)
-    for name, tensor in got:
-        assert torch.equal(tensor, reference[name]), name
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_fsdp1_root_around_the_lightning_module_is_used_for_the_policy(gloo_world, use_orig_params):
-    """Lightning's FSDPStrategy wraps the whole LightningModule: the policy's outer
-    parameters (here ``norm``) live in the root unit, above the policy."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    torch.manual_seed(0)
-    policy = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    policy.add_module("norm", nn.LayerNorm(2))
-    reference = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    lightning_module = nn.Module()
-    lightning_module.policy = policy
-    lightning_module.reference = nn.Linear(2, 2)  # also in the root: must not be sent
-    root = FSDP(lightning_module, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                use_orig_params=use_orig_params)
-    inner = root.module.policy
-    got = {name: tensor.clone() for name, tensor in iter_policy_weights(inner, bucket_bytes=1 << 20, root=root)}
-    assert sorted(got) == sorted(reference)
-    for name, tensor in got.items():
-        torch.testing.assert_close(tensor, reference[name])
-
-
 def _sharded_worker(rank, world_size, port, out_dir):
     """One rank of a real 2-process gloo world: shard, stream, compare with the unsharded model."""
     import warnings
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     results = {}
-    for kind in ("fsdp2", "fsdp1", "fsdp1-orig"):
-        torch.manual_seed(0)
-        policy = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-        policy.add_module("norm", nn.LayerNorm(2))
-        reference = {n: p.detach().clone() for n, p in policy.named_parameters()}
-        root = None
-        if kind == "fsdp2":
-            fully_shard(policy[0])
-            fully_shard(policy[1])
-            fully_shard(policy)
-            model = policy
-            local = sum(p.to_local().numel() for p in model.parameters())
-        else:  # the layout of Lightning's FSDPStrategy: a root unit around the LightningModule
-            container = nn.Module()
-            container.policy = policy
-            root = FSDP(container, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                        use_orig_params=kind == "fsdp1-orig")
-            model = root.module.policy
-            local = sum(p.numel() for p in root.parameters())  # flat shards (padded)
-        got = {n: t.clone() for bucket in iter_buckets(model, 40, root=root) for n, t in bucket}
-        ok = sorted(got) == sorted(reference) and all(torch.equal(got[n], reference[n]) for n in reference)
-        results[kind] = (ok, local, sum(t.numel() for t in reference.values()))
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    policy.add_module("norm", nn.LayerNorm(2))
+    reference = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    fully_shard(policy[0])
+    fully_shard(policy[1])
+    fully_shard(policy)
+    local = sum(p.to_local().numel() for p in policy.parameters())
+    got = {n: t.clone() for bucket in iter_buckets(policy, 40) for n, t in bucket}
+    ok = sorted(got) == sorted(reference) and all(torch.equal(got[n], reference[n]) for n in reference)
+    results["fsdp2"] = (ok, local, sum(t.numel() for t in reference.values()))
     torch.save(results, f"{out_dir}/{rank}.pt")
     # both ranks done, and no FSDP module left holding the group, before gloo's threads stop (a
     # teardown with live references aborted a rank once: "terminate called without an active exception")
     dist.barrier()
-    del policy, model, root
+    del policy
     import gc
 
     gc.collect()
@@ -283,19 +195,6 @@ def test_policy_weights_are_every_parameter_once_under_hf_names_without_grad(tin
     assert [n for n, _ in pairs] == [n for n, _ in model.named_parameters()]
     assert all(not t.requires_grad for _, t in pairs)
     assert sum(t.numel() * t.element_size() for _, t in pairs) == sum(p.numel() * 4 for p in model.parameters())
-
-
-@pytest.mark.parametrize("wrapper", ["ddp-like", "lightning-module"])
-def test_a_root_that_is_not_fsdp1_changes_nothing(tiny_echo, wrapper):
-    """The module passes Lightning's ``strategy.model`` whatever the strategy: a DDP
-    wrapper or the LightningModule itself (which also holds the reference model)."""
-    model, _ = tiny_echo
-    root = nn.Module()
-    if wrapper == "ddp-like":
-        root.module = model
-    else:
-        root.policy, root.reference = model, nn.Linear(3, 3)
-    assert [n for n, _ in iter_policy_weights(model, root=root)] == [n for n, _ in model.named_parameters()]
 
 
 # -- vLLM outputs -> Generation ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Data: the DataModule (files, ``builtin:`` data, templates, the endless sharded sampler), the
-built-in offline tasks with their tiny models (``tasks/``), and data shipped with the package
-(``datasets/``)."""
+built-in offline tasks (``tasks/``; their tiny models are built in ``models/tiny.py``), and data
+shipped with the package (``datasets/``)."""
 
 from gspo_lightning._imports import lazy_exports
 

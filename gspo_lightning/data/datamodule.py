@@ -440,7 +440,7 @@ def has_chat_template(tokenizer) -> bool:
 def warn_chat_template_mismatch(tokenizer, use_chat_template: bool, name: Optional[str]) -> None:
     """Warn once when prompts are rendered unlike the model was tuned: an instruct model's chat
     template left unused, or ``use_chat_template`` asked of a tokenizer that has none."""
-    from gspo_lightning.data.tasks.tiny import CHAT_TEMPLATE as TINY_TEMPLATE
+    from gspo_lightning.models.tiny import CHAT_TEMPLATE as TINY_TEMPLATE
 
     has_template = has_chat_template(tokenizer)
     if has_template == use_chat_template or tokenizer.chat_template == TINY_TEMPLATE:

@@ -1,6 +1,6 @@
-"""Models: loading the policy and its tokenizer (hub id, folder, ``builtin:``, GGUF), the KV
-cache's name across transformers versions and its rows, grouped-query attention on CPU,
-Mixture-of-Experts routing, LoRA adapters."""
+"""Models: loading the policy and its tokenizer (hub id, folder, ``builtin:``, GGUF), the tiny
+models built locally (``builtin:tiny-*``), the KV cache's name across transformers versions and
+its rows, grouped-query attention on CPU, Mixture-of-Experts routing, LoRA adapters."""
 
 from gspo_lightning._imports import lazy_exports
 
@@ -11,6 +11,7 @@ EXPORTS = {
     "group_attention_on_cpu": "cpu_attention",
     **dict.fromkeys(["LoRA", "attach_lora", "adapters_disabled", "merged_state_dict", "save_adapter"], "lora"),
     **dict.fromkeys(["hub_reachable", "go_offline"], "hub"),
+    **dict.fromkeys(["TINY_MODELS", "build_tiny", "save_tiny"], "tiny"),
     **dict.fromkeys(["RoutingRecorder", "RoutingChange", "RouterLogitsCapture", "load_balancing_loss"], "moe"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

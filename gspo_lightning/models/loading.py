@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from gspo_lightning.data.tasks.tiny import build_tiny_model, build_tokenizer, get_spec, is_builtin
+from gspo_lightning.models.tiny import build_tiny_model, build_tokenizer, get_spec, is_builtin
 from gspo_lightning.models.gguf import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

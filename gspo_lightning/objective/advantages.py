@@ -20,12 +20,13 @@ a group with fewer than two scored responses has nothing to compare and teaches 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.loss import kl_penalty
+from gspo_lightning.objective.terms import kl_penalty
 from gspo_lightning.objective.options import AdvEstimator, RewardNorm, check_choice, choices
 
 REWARD_NORMS = (None, *choices(RewardNorm))
@@ -330,3 +331,82 @@ def turn_advantages(outcome: Tensor, turn_rewards: list[list[float]], turn_of_to
     if scored is not None:
         advantages = advantages * scored[:, None].to(advantages.dtype)
     return torch.where(turn_of_token >= 0, advantages, torch.zeros_like(advantages))
+
+
+# estimators that compare the responses of one prompt (they need G >= 2)
+GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo")
+
+
+@dataclass
+class Advantages:
+    """From rewards to advantages (this module's steps 2-7, docs/algorithm.md).
+
+    Args:
+        adv_estimator: ``grpo``, ``reinforce``, ``rloo`` or ``dr_grpo``.
+        reward_norm: ``null``, ``group``, ``batch`` or ``running`` normalization of rewards.
+        reward_shift: with ``reward_norm``, only subtract the mean.
+        reward_scale: with ``reward_norm``, only divide by the std.
+        reward_clip: clip rewards to ``[-c, c]`` after normalization (``null``: off).
+        add_token_level_kl: put ``-kl_coef * KL(old, ref)`` into every token's reward.
+        kl_coef: coefficient of the token-level KL reward.
+        whiten_advantages: whiten advantages over all valid tokens of the batch.
+        advantage_clip: clip advantages to ``[-c, c]`` (``null``: off).
+    """
+
+    adv_estimator: AdvEstimator = "grpo"
+    reward_norm: Optional[RewardNorm] = None
+    reward_shift: bool = False
+    reward_scale: bool = False
+    reward_clip: Optional[float] = None
+    add_token_level_kl: bool = False
+    kl_coef: float = 0.0
+    whiten_advantages: bool = False
+    advantage_clip: Optional[float] = None
+
+    @property
+    def compares_within_groups(self) -> bool:
+        return self.adv_estimator in GROUP_ESTIMATORS
+
+    def problems(self, *, group_size: int) -> list[str]:
+        problems = []
+        for name, option, allow_none in (("adv_estimator", AdvEstimator, False), ("reward_norm", RewardNorm, True)):
+            try:
+                check_choice(name, getattr(self, name), option, allow_none=allow_none)
+            except ValueError as err:
+                problems.append(str(err))
+        if self.compares_within_groups and group_size < 2:
+            problems.append(f"adv_estimator={self.adv_estimator} compares responses of a prompt: set "
+                            f"num_return_sequences_in_group >= 2 (or use reinforce)")
+        if self.reward_norm == "group" and group_size < 2:
+            problems.append("reward_norm=group needs num_return_sequences_in_group >= 2")
+        for name in ("reward_clip", "advantage_clip", "kl_coef"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.reward_shift or self.reward_scale) and self.reward_norm is None:
+            problems.append("reward_shift / reward_scale act only with a reward_norm: set reward_norm (group, batch or "
+                            "running) or turn them off")
+        if self.reward_shift and self.reward_scale:
+            problems.append("reward_shift and reward_scale are exclusive (set neither to both shift and scale)")
+        if self.add_token_level_kl and self.kl_coef == 0:
+            problems.append("add_token_level_kl needs kl_coef > 0")
+        return problems
+
+    def surprises(self) -> list[str]:
+        if self.reward_norm in ("group", "batch") and (self.reward_shift or self.reward_scale):
+            which = "reward_shift" if self.reward_shift else "reward_scale"
+            meaning = "subtract the mean only" if self.reward_shift else "divide by the std only"
+            return [f"{which} with reward_norm={self.reward_norm}: here it means {meaning}; ROLL honours {which} only "
+                    f"with reward_norm=running and ignores it otherwise"]
+        return []
+
+    def compute(self, scores: Tensor, mask: Tensor, group_size: int, *, running: Optional[RunningMoments],
+                old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], kl_estimator: str,
+                reduce_sum: SumReducer = _identity, scored: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """:func:`rewards_to_advantages` with this block's settings."""
+        return rewards_to_advantages(
+            scores, mask, group_size, adv_estimator=self.adv_estimator, reward_norm=self.reward_norm,
+            reward_shift=self.reward_shift, reward_scale=self.reward_scale, reward_clip=self.reward_clip, running=running,
+            add_token_level_kl=self.add_token_level_kl, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            kl_coef=self.kl_coef, kl_estimator=kl_estimator, whiten_advantages=self.whiten_advantages,
+            advantage_clip=self.advantage_clip, reduce_sum=reduce_sum, scored=scored,
+        )

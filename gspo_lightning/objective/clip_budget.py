@@ -27,8 +27,9 @@ clip fraction. Separately, ``clip_budget/<part>_alone`` counts the units whose p
 is outside the range on the side that clipped: numerics alone clipping means the range is
 narrower than the engine's precision.
 
-The other objectives (``policy_loss_type``, ``objective/loss.py``) are split the same way, each
-unit flagged as its objective flags it in ``loss/``: ``cispo``, a unit whose weight was bounded
+The other objectives (``objective.policy_loss``: ``sapo.py``, ``cispo.py``, ``gmpo.py``) are split the
+same way, each unit flagged as its objective flags it in ``loss/`` (the objective's ``log_bounds``,
+``trust_region`` and ``token_flags`` say how): ``cispo``, a unit whose weight was bounded
 (beyond either bound, whatever the sign of the advantage); ``gmpo``, each *token* whose
 log-ratio is beyond ``clip_high`` (positive advantage) or ``-clip_low`` (negative), a response
 counting its share of such tokens; ``sapo``, a unit whose gate passes less than half of the
@@ -41,17 +42,13 @@ log-probs), numerics and staleness cannot be told apart: they are NaN, ``behavio
 
 from __future__ import annotations
 
-import math
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.loss import SAPO_SATURATED_WEIGHT, masked_sequence_mean
-from gspo_lightning.objective.options import DEFAULT_SAPO_TAU
-
-# SAPO's gate weight 4 g (1 - g) = sech^2(z / 2), z = tau (w - 1): below the saturation weight where |z| > this
-SAPO_SATURATED_Z = 2.0 * math.acosh(1.0 / math.sqrt(SAPO_SATURATED_WEIGHT))
+from gspo_lightning.objective.policy import PolicyObjective
+from gspo_lightning.objective.terms import masked_sequence_mean
 
 PARTS = ("numerics", "staleness", "update")
 
@@ -71,15 +68,13 @@ def attribute_clips(
     advantages: Tensor,
     *,
     level: str,
-    clip_low: float,
-    clip_high: float,
-    policy_loss_type: str = "ppo",
-    sapo_tau: tuple[float, float] = DEFAULT_SAPO_TAU,
+    objective: PolicyObjective,
 ) -> dict[str, Tensor]:
     """Counts over units: ``units``, ``clipped``, ``<part>`` (clipped, caused by the part)
     and ``<part>_alone`` (the part alone outside the range on the clipped side), for the parts
-    named in ``in_clip`` (the others are outside the ratio and cannot clip). With ``gmpo`` the
-    flags are per token and a response adds its share of flagged tokens.
+    named in ``in_clip`` (the others are outside the ratio and cannot clip). ``objective`` (resolved:
+    its clip range filled in) gives the bounds; with ``token_flags`` (gmpo) the flags are per token
+    and a response adds its share of flagged tokens.
 
     ``parts`` are ``(B, T)`` per-token log-ratio parts; ``advantages`` ``(B,)`` or ``(B, T)``.
     """
@@ -93,7 +88,7 @@ def attribute_clips(
         units = where = valid
         weight = valid.float()
         values, unit_adv = tokens, adv
-    elif policy_loss_type == "gmpo":  # token flags, a response adding its share of them
+    elif objective.token_flags:  # token flags, a response adding its share of them
         units, where = valid.any(-1), valid
         weight = torch.where(valid, 1.0 / valid.sum(-1, keepdim=True).clamp(min=1), zeros)
         values, unit_adv = tokens, masked_sequence_mean(adv, valid)[:, None].expand_as(zeros)
@@ -104,10 +99,10 @@ def attribute_clips(
         unit_adv = masked_sequence_mean(adv, valid)
     stacked = torch.stack([values[name] for name in in_clip])  # (parts, units...)
     total = stacked.sum(0)
-    upper, lower = _log_bounds(policy_loss_type, clip_low, clip_high, unit_adv, sapo_tau)
+    upper, lower = objective.log_bounds(unit_adv)
     high = (total > upper) & where
     low = (total < lower) & where
-    if policy_loss_type in ("ppo", "gmpo"):  # a trust region: only the side the advantage pushes towards
+    if objective.trust_region:  # a trust region: only the side the advantage pushes towards
         high, low = high & (unit_adv > 0), low & (unit_adv < 0)
     # the part pushing furthest towards the violated bound (argmax keeps the first of ties)
     cause = torch.where(high, stacked.argmax(0), stacked.argmin(0))
@@ -118,18 +113,6 @@ def attribute_clips(
         out[name] = count((high | low) & (cause == index))
         out[f"{name}_alone"] = count((high & (value > upper)) | (low & (value < lower)))
     return out
-
-
-def _log_bounds(policy_loss_type: str, clip_low: float, clip_high: float, unit_adv: Tensor,
-                sapo_tau: tuple[float, float]) -> tuple[Union[float, Tensor], Union[float, Tensor]]:
-    """The log-ratio bounds beyond which a unit is flagged (``-inf``: no lower bound)."""
-    if policy_loss_type == "gmpo":  # already in log space
-        return clip_high, -clip_low
-    if policy_loss_type == "sapo":  # the half-weight points, 1 +- 1.763 / tau
-        half = SAPO_SATURATED_Z / torch.where(unit_adv > 0, float(sapo_tau[0]), float(sapo_tau[1]))
-        lower = torch.where(half < 1, torch.log1p(-half.clamp(max=1 - 1e-7)), torch.full_like(half, -math.inf))
-        return torch.log1p(half), lower
-    return math.log1p(clip_high), math.log1p(-clip_low) if clip_low < 1 else -math.inf
 
 
 def clip_budget_metrics(counts: dict[str, Tensor], all_parts: tuple[str, ...]) -> dict[str, tuple[Tensor, Tensor]]:
@@ -156,11 +139,8 @@ class ClipBudget:
     rollout): the micro-batch's own old log-probs are then ``o``.
     """
 
-    def __init__(self, level: str, clip_low: float, clip_high: float, *, policy_loss_type: str = "ppo",
-                 sapo_tau: tuple[Optional[float], Optional[float]] = DEFAULT_SAPO_TAU):
-        self.level, self.clip_low, self.clip_high = level, clip_low, clip_high
-        self.policy_loss_type = policy_loss_type
-        self.sapo_tau = tuple(d if t is None else t for t, d in zip(sapo_tau, DEFAULT_SAPO_TAU))
+    def __init__(self, level: str, objective: PolicyObjective):
+        self.level, self.objective = level, objective.resolved(level)
         self.old = self.behaviour = self.behaviour_old = None
         self.old_is_behaviour = self.same_weights = False
         self.active = False
@@ -181,9 +161,7 @@ class ClipBudget:
         behaviour_old = old if self.same_weights else self.behaviour_old[rows] if self.behaviour_old is not None else None
         def counts(parts: dict[str, Tensor]) -> dict[str, Tensor]:
             in_clip = tuple(parts) if self.old_is_behaviour else ("update",)
-            return attribute_clips(parts, in_clip, micro.mask, micro.advantages, level=self.level,
-                                   clip_low=self.clip_low, clip_high=self.clip_high,
-                                   policy_loss_type=self.policy_loss_type, sapo_tau=self.sapo_tau)
+            return attribute_clips(parts, in_clip, micro.mask, micro.advantages, level=self.level, objective=self.objective)
 
         # every step logs the same names (a logger repeats a name's last value on steps that
         # lack it): behaviour = numerics and staleness together, always; the two apart, or NaN

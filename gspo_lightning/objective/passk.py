@@ -4,9 +4,10 @@ Language Models Trained on Code")."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["pass_at_k", "pass_at_k_from_scores", "record_eval_rollout"]
+__all__ = ["Evaluation", "pass_at_k", "pass_at_k_from_scores", "record_eval_rollout"]
 
 
 def _check_count(name: str, value: int) -> None:
@@ -79,3 +80,26 @@ def record_eval_rollout(metrics, stage: str, rewards, lengths, group_size: int, 
     if group_size > 1:
         per_prompt = [pass_at_k(group_size, int(c), group_size) for c in correct.sum(-1).tolist()]
         metrics.update(f"{stage}/pass@{group_size}", torch.tensor(per_prompt).mean(), len(per_prompt))
+
+
+@dataclass
+class Evaluation:
+    """Held-out evaluation (``gspo validate / test`` and ``trainer.val_check_interval``).
+
+    Args:
+        val_num_samples: responses per validation prompt (pass@k uses k = this).
+        val_temperature: validation sampling temperature (0: greedy).
+        accuracy_threshold: a response counts as correct when its reward is at least this.
+    """
+
+    val_num_samples: int = 1
+    val_temperature: float = 0.0
+    accuracy_threshold: float = 1.0
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.val_num_samples < 1:
+            problems.append(f"val_num_samples must be >= 1, got {self.val_num_samples}")
+        if self.val_temperature < 0:
+            problems.append(f"val_temperature must be >= 0 (0: greedy), got {self.val_temperature}")
+        return problems

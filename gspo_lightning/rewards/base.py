@@ -40,7 +40,6 @@ from typing import Any, Callable, Optional, Union
 
 from gspo_lightning._imports import import_callable
 
-RewardFunction = Callable[..., list]
 # the keyword arguments every reward function receives besides the dataset columns
 RESERVED = ("prompts", "completions", "completion_ids")
 

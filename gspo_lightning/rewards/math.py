@@ -180,11 +180,6 @@ def _last_number(text: str) -> Optional[str]:
     return matches[-1] if matches else None
 
 
-def _first_number(text: str) -> Optional[str]:
-    m = _NUMBER_IN_TEXT.search(text)
-    return m.group(0) if m else None
-
-
 # --------------------------------------------------------------------------- extraction
 
 _RE_HASHES = re.compile(r"####[ \t]*([^\n]*)")

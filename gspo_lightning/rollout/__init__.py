@@ -11,6 +11,7 @@ EXPORTS = {
     "RemoteEngine": "remote",
     "VLLMEngine": "vllm",
     **dict.fromkeys(["Rollout", "RolloutWorker"], "worker"),
+    "run_episodes": "episodes",
     **dict.fromkeys(["WeightTransport", "InProcessTransport", "FolderTransport", "NCCLTransport"], "transport"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

@@ -131,6 +131,25 @@ class EngineSpec:
         return None if self.prompt_length is None else self.prompt_length + self.response_length
 
 
+def check_lora_sync(engine: str, lora_sync: Optional[str]) -> Optional[str]:
+    """An engine's ``lora_sync`` argument, checked when the config is parsed (``engine`` names
+    the engine in the error): ``adapter``, ``merged`` or ``None`` (adapter for a LoRA policy)."""
+    if lora_sync not in (None, "adapter", "merged"):
+        raise ValueError(f"{engine} lora_sync must be adapter, merged or null (adapter for a LoRA policy), "
+                         f"got {lora_sync!r}")
+    return lora_sync
+
+
+def lora_weights_format(engine: str, lora_sync: Optional[str], lora: Optional["LoRA"]) -> str:
+    """The ``weights_format`` an engine with ``lora_sync`` takes for a policy whose LoRA config
+    is ``lora`` (``EngineSpec.lora``; ``None``: no LoRA): ``adapter`` for a LoRA policy unless
+    ``lora_sync`` is ``merged``, else ``full``."""
+    if lora_sync == "adapter" and lora is None:
+        raise ValueError(f"{engine} lora_sync: adapter needs a LoRA policy (model.lora); remove lora_sync or set "
+                         "model.lora")
+    return "adapter" if lora is not None and lora_sync != "merged" else "full"
+
+
 class RolloutEngine(ABC):
     """Base class of generation engines (``class_path`` in ``model.engine``)."""
 
@@ -173,4 +192,7 @@ class RolloutEngine(ABC):
         """Release the engine's resources (end of the run)."""
 
 
-__all__ = ["EngineSpec", "Generation", "RolloutEngine", "SamplingParams", "WeightsIterator", "WeightsSource"]
+__all__ = [
+    "EngineSpec", "Generation", "RolloutEngine", "SamplingParams", "WeightsIterator", "WeightsSource", "check_lora_sync",
+    "lora_weights_format",
+]

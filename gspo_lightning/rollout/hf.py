@@ -10,8 +10,9 @@ forward and ``DynamicCache``.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,8 @@ from torch import Tensor, nn
 from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
 from gspo_lightning.rollout import kv_decode
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
+from gspo_lightning.rollout.phases import PHASES
 from gspo_lightning.rollout.sampling import filter_logits
-from gspo_lightning.run.phases import PHASES
-from gspo_lightning.training.sharding import gathered
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -31,6 +31,31 @@ def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> t
     ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
     return ids.to(device), mask.to(device)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` made units (empty when unsharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[bool]:
+    """Every FSDP2 unit of ``model`` (laid out by ``training/sharding.py``) unsharded for the
+    whole block (full weights on every rank, as under DDP), so that a decode loop's forwards
+    gather nothing; resharded after. Yields whether the model was sharded. Inside the block no
+    forward runs a collective, so ranks need not decode in lockstep."""
+    units = fsdp_units(model)
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield bool(units)
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
 
 
 # generation_batch_size: null samples as many responses at once as keep their KV cache within this

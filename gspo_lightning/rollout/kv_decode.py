@@ -64,7 +64,7 @@ def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
 def _sharded(model: nn.Module) -> bool:
     """FSDP gathers a layer's weights in that layer's forward; calling its submodules
     directly would see shards. FSDP2 units gathered for a whole generation
-    (``sharding.gathered``) hold plain tensors and decode here."""
+    (``rollout/hf.py``'s ``gathered``) hold plain tensors and decode here."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed

@@ -48,7 +48,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from gspo_lightning.errors import RolloutServerError
-from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.engine import (
+    EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, check_lora_sync, lora_weights_format,
+)
 from gspo_lightning.rollout.replies import check_generation_reply, check_weights_reply
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.auth import SECRET_ENV, bearer, read_secret
@@ -176,10 +178,7 @@ class RemoteEngine(RolloutEngine):
         lora_sync: Optional[str] = None,
     ):
         super().__init__()
-        if lora_sync not in (None, "adapter", "merged"):
-            raise ValueError(f"RemoteEngine lora_sync must be adapter, merged or null (adapter for a LoRA policy), "
-                             f"got {lora_sync!r}")
-        self.lora_sync = lora_sync
+        self.lora_sync = check_lora_sync("RemoteEngine", lora_sync)
         self.adapters: Optional[dict] = None  # the LoRA config the servers serve, in adapter format
         self.base_checksum: Optional[str] = None  # of the policy's frozen base, in adapter format
         for url in urls or []:
@@ -227,10 +226,8 @@ class RemoteEngine(RolloutEngine):
         if spec.policy is None:
             raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
         self.vocab_size = output_rows(spec.policy)
-        if self.lora_sync == "adapter" and spec.lora is None:
-            raise ValueError("RemoteEngine lora_sync: adapter needs a LoRA policy (model.lora); remove lora_sync or set model.lora")
-        adapter = spec.lora is not None and self.lora_sync != "merged"
-        self.weights_format = "adapter" if adapter else "full"
+        self.weights_format = lora_weights_format("RemoteEngine", self.lora_sync, spec.lora)
+        adapter = self.weights_format == "adapter"
         self.adapters = spec.lora.serving_config() if adapter else None
         # the server applies adapters to the base it loaded itself: it must be this policy's
         # (every rank computes it: gathering a sharded base is a collective)
@@ -545,13 +542,13 @@ class ChildServer:
         return env
 
     def start(self, timeout_s: float) -> str:
-        from gspo_lightning.rollout.server.command import spec_json
+        from gspo_lightning.rollout.server.host import spec_json
 
         self.folder = tempfile.TemporaryDirectory(prefix="gspo-server-")
         folder = Path(self.folder.name)
         (folder / "spec.json").write_text(spec_json(self.spec))
         port_file, log = folder / "port", folder / "server.log"
-        command = [self.python, "-m", "gspo_lightning.rollout.server.command", "--spec", str(folder / "spec.json"),
+        command = [self.python, "-m", "gspo_lightning.run.serve", "--spec", str(folder / "spec.json"),
                    "--host", "127.0.0.1", "--port", "0", "--port_file", str(port_file),
                    "--parent_pid", str(os.getpid()), "--lease_s", str(self.lease_s)]
         if self.weights_root:

@@ -26,7 +26,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.engine import (
+    EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, check_lora_sync, lora_weights_format,
+)
 from gspo_lightning.rollout.vllm_setup import (  # noqa: F401 - re-exported: the engine's start-up checks
     CPU_INSTALL, CUDA_INSTALL, VLLMStartError, import_vllm, install_command, platform_problem, vllm_distribution,
 )
@@ -289,8 +291,7 @@ class VLLMEngine(RolloutEngine):
         lora_sync: Optional[str] = None,
     ):
         super().__init__()
-        if lora_sync not in (None, "adapter", "merged"):
-            raise ValueError(f"VLLMEngine lora_sync must be adapter, merged or null (adapter for a LoRA policy), got {lora_sync!r}")
+        check_lora_sync("VLLMEngine", lora_sync)
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level must be 0 (off), 1 (offload weights) or 2 (discard weights), got {sleep_level}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -390,10 +391,8 @@ class VLLMEngine(RolloutEngine):
         self.sleep()  # free the KV cache until the first rollout (no-op without sleep mode)
 
     def _choose_weights_format(self, spec: EngineSpec) -> None:
-        if self.lora_sync == "adapter" and spec.lora is None:
-            raise ValueError("VLLMEngine lora_sync: adapter needs a LoRA policy (model.lora); remove lora_sync or set model.lora")
-        self.lora = spec.lora if spec.lora is not None and self.lora_sync != "merged" else None
-        self.weights_format = "adapter" if self.lora is not None else "full"
+        self.weights_format = lora_weights_format("VLLMEngine", self.lora_sync, spec.lora)
+        self.lora = spec.lora if self.weights_format == "adapter" else None
         if self.lora is None:
             return
         if self.sleep_level >= 2:

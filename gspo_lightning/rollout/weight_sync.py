@@ -7,7 +7,7 @@ Everything here is free of vLLM, so it is tested in the main environment:
 * :func:`engine_name` maps a training parameter name to the Hugging Face name the engine
   loads (vLLM's loaders take HF checkpoint names).
 * :func:`iter_buckets` streams full parameters in buckets of at most ``bucket_bytes``,
-  gathering sharded ones (FSDP2 DTensor, FSDP1, DeepSpeed ZeRO-3) one bucket at a time,
+  gathering sharded ones (FSDP2 DTensor, DeepSpeed ZeRO-3) one bucket at a time,
   so no rank ever holds a second full copy of the model.
 * :func:`outputs_to_generation` turns vLLM ``RequestOutput`` objects into a
   :class:`~gspo_lightning.rollout.engine.Generation`.
@@ -15,7 +15,7 @@ Everything here is free of vLLM, so it is tested in the main environment:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -76,22 +76,12 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 
 
 # -- gathering ---------------------------------------------------------------------------
-def fsdp1_class():
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        return None
-    return FullyShardedDataParallel
-
-
 def sharding_kind(model: nn.Module) -> str:
-    """``deepspeed``, ``fsdp1``, ``dtensor`` (FSDP2 / tensor parallel) or ``plain``."""
+    """``deepspeed``, ``dtensor`` (FSDP2 / tensor parallel) or ``plain`` (FSDP1 is refused at
+    setup: ``training/distributed.py``, ``check_strategy``)."""
     params = list(model.parameters())
     if any(is_deepspeed_param(p) for p in params):
         return "deepspeed"
-    fsdp = fsdp1_class()
-    if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
-        return "fsdp1"
     if any(hasattr(p, "full_tensor") for p in params):
         return "dtensor"
     return "plain"
@@ -143,93 +133,31 @@ def _iter_deepspeed(model: nn.Module, bucket_bytes: int) -> Iterator[Bucket]:
             del bucket  # our views keep the gathered storage alive past the context otherwise
 
 
-def _fsdp1_own_params(module: nn.Module, prefix: str, fsdp_cls) -> Iterator[tuple[str, Tensor]]:
-    """Parameters of one FSDP1 unit, not descending into nested units."""
-    for name, param in module.named_parameters(prefix=prefix.rstrip("."), recurse=False):
-        if not name.endswith("_flat_param"):
-            yield name, param
-    for child_name, child in module.named_children():
-        if not isinstance(child, fsdp_cls):
-            yield from _fsdp1_own_params(child, f"{prefix}{child_name}.", fsdp_cls)
-
-
-def _is_on_path(unit_path: str, path: str) -> bool:
-    """A unit holds parameters of the module at ``path`` when it is above or below it."""
-    if not path or not unit_path or unit_path == path:
-        return True
-    return path.startswith(unit_path + ".") or unit_path.startswith(path + ".")
-
-
-def _iter_fsdp1(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] = None) -> Iterator[Bucket]:
-    fsdp_cls = fsdp1_class()
-    root = model if root is None else root
-    # where the model sits inside the root (Lightning's FSDPStrategy wraps the whole
-    # LightningModule, so the policy's embeddings belong to a unit above the policy)
-    paths = [engine_name(name + ".")[:-1] for name, m in root.named_modules() if m is model]
-    if not paths:
-        raise ValueError("the FSDP root given for the weight sync does not contain the policy")
-    path = paths[0]
-    keep = f"{path}." if path else ""
-
-    def ours(named):  # the model's own parameters, named relative to the model
-        return [(name[len(keep):], p) for name, p in ((engine_name(n), p) for n, p in named) if name.startswith(keep)]
-
-    if not isinstance(root, fsdp_cls):
-        # parameters outside every unit are not sharded
-        outer = ours(_fsdp1_own_params(root, "", fsdp_cls))
-        if outer:
-            yield from _iter_by_size(outer, bucket_bytes, lambda p: p)
-    for unit_name, unit in root.named_modules():
-        if not isinstance(unit, fsdp_cls) or not _is_on_path(engine_name(unit_name + ".")[:-1], path):
-            continue  # the same decision on every rank: summoning is a collective
-        prefix = f"{unit_name}." if unit_name else ""
-        # one unit (typically one decoder layer) unsharded at a time, without writeback
-        with fsdp_cls.summon_full_params(unit, recurse=False, writeback=False):
-            named = []
-            # Tied weights share one unit in FSDP1, so duplicates are looked for within the
-            # unit only: without use_orig_params the summoned parameters are new objects
-            # that die with the context, and CPython hands their ids to the next unit's.
-            seen: set[int] = set()
-            for name, param in ours(_fsdp1_own_params(unit, prefix, fsdp_cls)):
-                if id(param) not in seen:  # tied weights appear once
-                    seen.add(id(param))
-                    named.append((name, param))
-            # buckets never span units: the gathered unit is freed when its context closes
-            yield from _iter_by_size(named, bucket_bytes, lambda p: p)
-
-
-def iter_buckets(model: nn.Module, bucket_bytes: int, root: Optional[nn.Module] = None) -> Iterator[Bucket]:
+def iter_buckets(model: nn.Module, bucket_bytes: int) -> Iterator[Bucket]:
     """Full parameters of ``model`` as ``(hf_name, tensor)`` buckets, in a fixed order.
 
-    Tensors of a bucket are only valid until the next one is requested (ZeRO-3 and FSDP1
-    release them). Sharded gathers are collectives: every rank must consume the whole
+    Tensors of a bucket are only valid until the next one is requested (ZeRO-3 releases
+    them). Sharded gathers are collectives: every rank must consume the whole
     iterator. Buffers are not sent: the engine computes its own (rotary tables...).
-    ``root``: an FSDP1 wrapper that contains ``model`` (Lightning's ``strategy.model``).
     """
-    kind = sharding_kind(model if root is None else root)
-    if kind in ("deepspeed", "fsdp1") and has_lora(model):
-        raise NotImplementedError(f"LoRA adapters under {kind} cannot be merged for the engine here: "
-                                  "train LoRA with DDP or FSDP2 (ModelParallelStrategy)")
-    if kind == "deepspeed":
+    if sharding_kind(model) == "deepspeed":
+        if has_lora(model):
+            raise NotImplementedError("LoRA adapters under deepspeed cannot be merged for the engine here: "
+                                      "train LoRA with DDP or FSDP2 (ModelParallelStrategy)")
         return _iter_deepspeed(model, bucket_bytes)
-    if kind == "fsdp1":
-        return _iter_fsdp1(model, bucket_bytes, root)
     return _iter_by_size(_named_params(model), bucket_bytes, _full_tensor)
 
 
-def iter_policy_weights(policy: nn.Module, *, bucket_bytes: int = 256 * 2**20,
-                        root: Optional[nn.Module] = None) -> Iterator[tuple[str, Tensor]]:
+def iter_policy_weights(policy: nn.Module, *, bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, Tensor]]:
     """The policy's full weights as ``(hf_name, tensor)`` pairs, whatever holds them.
 
-    Plain and DDP policies hand out their parameters; FSDP2 (DTensor), FSDP1 and ZeRO-3
+    Plain and DDP policies hand out their parameters; FSDP2 (DTensor) and ZeRO-3
     shards are gathered ``bucket_bytes`` at a time (collectives: every rank must consume
     the iterator to the end). A pair is valid until the next one of another bucket is
-    requested. ``root``: the strategy's wrapper around the policy (Lightning's
-    ``strategy.model``); it matters only for FSDP1, whose root unit holds the policy's
-    embeddings and final norm, and any other wrapper is fine to pass.
+    requested.
     """
     with torch.no_grad():
-        for bucket in iter_buckets(policy, bucket_bytes, root):
+        for bucket in iter_buckets(policy, bucket_bytes):
             yield from bucket
             del bucket
 
@@ -241,12 +169,12 @@ def _plain_or_dtensor(policy: nn.Module, what: str) -> None:
                                   "or FSDP2 (ModelParallelStrategy)")
 
 
-def engine_weights(policy: nn.Module, weights_format: str, root: Optional[nn.Module] = None) -> Iterator[tuple[str, Tensor]]:
+def engine_weights(policy: nn.Module, weights_format: str) -> Iterator[tuple[str, Tensor]]:
     """What an engine loads: the LoRA adapters alone when it serves them (``weights_format``
     ``adapter``, decided at its start), else the full (for LoRA: merged) weights."""
     if weights_format == "adapter":
         return iter_adapter_weights(policy)
-    return iter_policy_weights(policy, root=root)
+    return iter_policy_weights(policy)
 
 
 def iter_adapter_weights(policy: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -316,7 +244,7 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
 
 
 __all__ = [
-    "engine_name", "fsdp1_class", "full_nbytes", "iter_adapter_weights", "iter_base_weights", "iter_buckets",
+    "engine_name", "full_nbytes", "iter_adapter_weights", "iter_base_weights", "iter_buckets",
     "iter_policy_weights", "outputs_to_generation",
     "plan_buckets", "sharding_kind",
 ]

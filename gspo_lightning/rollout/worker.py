@@ -15,9 +15,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from gspo_lightning.episodes.runner import MultiTurn
+from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.rewards.base import RewardComposer
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, WeightsSource
+from gspo_lightning.rollout.episodes import run_episodes
 from gspo_lightning.rollout.hf import left_pad
 from gspo_lightning.rollout.transport import InProcessTransport, WeightTransport
 
@@ -232,7 +233,7 @@ class RolloutWorker:
         self.engine.wake()
         raw_prompts = batch.get("prompts", batch["prompt_text"])
         rows = [dict(zip(batch["columns"], values)) for values in zip(*batch["columns"].values())] or [{} for _ in raw_prompts]
-        episodes = self.episodes.run(self.engine, raw_prompts, rows, group_size, params, seed)
+        episodes = run_episodes(self.episodes, self.engine, raw_prompts, rows, group_size, params, seed)
         self.engine.sleep()
         timings["time/generate"] = time.perf_counter() - start
 

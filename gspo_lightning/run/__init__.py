@@ -12,7 +12,8 @@ EXPORTS = {
     **dict.fromkeys(["TrainingCurves", "plot_history"], "plotting"),
     **dict.fromkeys(["PreemptionCheckpoint", "Preempted"], "preemption"),
     "configure_cpu_env": "cpu_env",
-    "run_callbacks": "callbacks",
+    **dict.fromkeys(["run_callbacks", "attach_run_callbacks", "ExportOnFitEnd"], "callbacks"),
+    "EvalRecords": "results",
     **dict.fromkeys(["save_policy", "export_checkpoint"], "export"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

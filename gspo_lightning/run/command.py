@@ -1,5 +1,5 @@
 """The training command: ``gspo fit|validate|test --config cfg.yaml [--model.key=value ...]``
-(``gspo_lightning/cli.py`` dispatches here; ``gspo serve`` goes to ``rollout/server/command.py``).
+(``gspo_lightning/cli.py`` dispatches here; ``gspo serve`` goes to ``run/serve.py``).
 
 Every constructor argument of ``GSPOModule``, ``PromptDataModule`` and ``Trainer`` is a
 config key; an unknown key is an error naming it; ``--print_config`` shows the result.
@@ -65,11 +65,21 @@ class GSPOCLI(LightningCLI):
         })
         # one value, stated once: the data module tokenizes with the model's tokenizer, and
         # the module checks its batch sizes against the data module's
-        parser.link_arguments(("model.model_name_or_path", "model.gguf_file"), "data.tokenizer", compute_fn=tokenizer_source)
-        parser.link_arguments("data.prompt_length", "model.prompt_length")
-        parser.link_arguments("data.rollout_batch_size", "model.rollout_batch_size")
+        parser.link_arguments(("model.model_name_or_path", "model.policy.gguf_file"), "data.tokenizer", compute_fn=tokenizer_source)
+        parser.link_arguments("data.prompt_length", "model.rollout.prompt_length")
+        parser.link_arguments("data.rollout_batch_size", "model.rollout.rollout_batch_size")
         # episodes render their prompts themselves: the data module's chat-template settings do not apply
         parser.link_arguments("model.episodes", "data.episodes", compute_fn=lambda episodes: episodes is not None)
+
+    def parse_arguments(self, parser, args) -> None:
+        # the flat model keys of earlier releases, in configs and on the command line: into their blocks
+        if args is None or isinstance(args, list):
+            from gspo_lightning.run.flat_keys import translate_args
+
+            args, note = translate_args(list(sys.argv[1:] if args is None else args))
+            if note:
+                print(note, file=sys.stderr)
+        super().parse_arguments(parser, args)
 
     def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)

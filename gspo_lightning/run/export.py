@@ -111,14 +111,18 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     from gspo_lightning.models.gguf import resolve_model
     from gspo_lightning.models.loading import load_policy, load_tokenizer
 
+    from gspo_lightning.models.settings import Policy
+    from gspo_lightning.training.config import nest_flat_keys
+
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    hparams = checkpoint.get("hyper_parameters", {})
+    hparams, _ = nest_flat_keys(checkpoint.get("hyper_parameters", {}))  # an older checkpoint's flat keys: in blocks
     name = hparams.get("model_name_or_path")
     if name is None:
         raise ValueError(f"{ckpt_path} has no model_name_or_path hyperparameter: is it a GSPOModule checkpoint?")
-    name = resolve_model(name, hparams.get("gguf_file"))  # a GGUF source: its converted folder
-    tokenizer = load_tokenizer(name, hparams.get("trust_remote_code", False))
-    policy = load_policy(name, tokenizer, hparams.get("dtype", "float32"), None, hparams.get("trust_remote_code", False))
+    loading = Policy(**hparams.get("policy") or {})
+    name = resolve_model(name, loading.gguf_file)  # a GGUF source: its converted folder
+    tokenizer = load_tokenizer(name, loading.trust_remote_code)
+    policy = load_policy(name, tokenizer, loading.dtype, None, loading.trust_remote_code)
     lora = None
     if hparams.get("lora"):  # the checkpoint holds the adapters only: the base comes from model_name_or_path
         from gspo_lightning.models.lora import LoRA, attach_lora

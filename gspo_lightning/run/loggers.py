@@ -20,6 +20,10 @@ from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+# what a checkpoint keeps of each logger, to resume into the same folder: written by the module's
+# checkpoint hooks (training/ imports nothing from run/), read back here by the gspo command
+from gspo_lightning.training.checkpointing import logger_identity  # noqa: F401 - importable from here as before
+
 
 class _ContinuingWriter(ExperimentWriter):
     def _check_log_dir_exists(self) -> None:
@@ -70,16 +74,6 @@ class TensorBoardLogger(LightningTensorBoardLogger):
                  prefix: str = "", sub_dir: Optional[str] = None, **kwargs: Any):
         super().__init__(save_dir if save_dir is not None else DEFAULT_SAVE_DIR, name=name, version=version,
                          log_graph=log_graph, default_hp_metric=default_hp_metric, prefix=prefix, sub_dir=sub_dir, **kwargs)
-
-
-def logger_identity(logger) -> Optional[dict[str, Any]]:
-    """Where a logger writes (``save_dir``, ``name``, ``version``), to resume into the same folder."""
-    version = getattr(logger, "version", None)
-    save_dir = getattr(logger, "save_dir", None) or getattr(logger, "root_dir", None)
-    if version is None or save_dir is None:
-        return None
-    return {"class": f"{type(logger).__module__}.{type(logger).__qualname__}", "save_dir": str(save_dir),
-            "name": getattr(logger, "name", None), "version": version}
 
 
 __all__ = ["CSVLogger", "TensorBoardLogger", "logger_identity"]

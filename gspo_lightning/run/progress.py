@@ -6,7 +6,7 @@ mean nothing and a resumed run would restart at 0. Three displays count steps in
 
 - in a terminal, :class:`RichStepProgressBar` (when ``rich`` is installed) or
   :class:`StepProgressBar` (tqdm): ``step 37/100``; on a step slower than a couple of
-  seconds the bar's title shows what the step is doing (``run/phases.py``:
+  seconds the bar's title shows what the step is doing (``rollout/phases.py``:
   ``generating 64 responses, token 12/32``, ``log-probs``, ``update 2/4 optimizer steps``);
 - without one (``nohup``, SLURM, a pipe), :class:`LineProgressBar`: a plain line every
   ``every_n_steps`` steps or every ``interval_s`` seconds, whichever comes first, and on a
@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
-from gspo_lightning.run.phases import PHASES
+from gspo_lightning.rollout.phases import PHASES
 
 DESCRIPTION = "step"
 SHOW_PHASE_AFTER_S = 2.0  # a bar's title names the phase once a step runs this long (no flicker on fast steps)

@@ -22,6 +22,9 @@ from typing import Optional
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+# the step an evaluation is of: the module logs it too (training/ imports nothing from run/)
+from gspo_lightning.training.metrics import eval_step
+
 HELD_OUT_METRIC = "val/accuracy"  # greedy, all of the answer right (objective/passk.py)
 ORDER = ("accuracy", "pass@", "reward_mean", "response_length")
 
@@ -35,12 +38,6 @@ def counts_as_evaluation(trainer) -> bool:
     """An evaluation to record: not Lightning's sanity check, unless it is the whole validation
     set before the first step (the untrained model)."""
     return not trainer.sanity_checking or (trainer.global_step == 0 and whole_sanity_check(trainer))
-
-
-def eval_step(trainer, pl_module) -> int:
-    """The step an evaluation is of: Lightning's step in ``fit``; in ``validate`` / ``test``, which
-    restore a checkpoint's weights but not Lightning's counter, the module's (``rollout_steps``)."""
-    return trainer.global_step if trainer.state.fn == "fit" else getattr(pl_module, "rollout_steps", trainer.global_step)
 
 
 def append_eval_record(trainer, pl_module, values: dict[str, float]) -> None:
@@ -125,6 +122,31 @@ class HeldOutResults(L.Callback):
         self.evaluations = [(int(step), dict(values)) for step, values in state_dict.get("evaluations", [])]
 
 
+class EvalRecords(L.Callback):
+    """``eval_results.jsonl``: one line per evaluation (:func:`append_eval_record`), from the
+    metrics the module computed at the end of the evaluation (``pl_module.last_eval_metrics``,
+    the values it logged under ``val/`` or ``test/``), so that training/ need not write run
+    files. Lightning calls a callback's ``on_validation_epoch_end`` before the module's, so the
+    record is written at ``on_validation_end`` / ``on_test_end``, once the module has them."""
+
+    def __init__(self) -> None:
+        self._written: Optional[dict] = None  # the module's last values already written
+
+    def _write(self, trainer, pl_module) -> None:
+        values = getattr(pl_module, "last_eval_metrics", None)
+        # the module keeps its last values when an evaluation computed none: not written twice
+        if not values or values is self._written:
+            return
+        self._written = values
+        append_eval_record(trainer, pl_module, values)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
+
 class BestCheckpoint(ModelCheckpoint):
     """``best.ckpt``: the weights of the evaluation with the highest held-out metric (the
     earliest of equal scores), beside ``last.ckpt``; weights and hyperparameters only."""
@@ -155,4 +177,5 @@ def best_checkpoint(trainer) -> Optional[BestCheckpoint]:
     return next((c for c in trainer.callbacks if isinstance(c, BestCheckpoint)), None)
 
 
-__all__ = ["BestCheckpoint", "HeldOutResults", "best_checkpoint", "counts_as_evaluation", "eval_step", "format_results"]
+__all__ = ["BestCheckpoint", "EvalRecords", "HeldOutResults", "best_checkpoint", "counts_as_evaluation", "eval_step",
+           "format_results"]

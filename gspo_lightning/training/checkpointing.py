@@ -16,7 +16,6 @@ from typing import Any, Optional
 from torch import nn
 
 from gspo_lightning.models.lora import frozen_state_keys
-from gspo_lightning.run.loggers import logger_identity
 from gspo_lightning.training.rank_state import rank_states, restore_rank_state
 
 
@@ -28,6 +27,17 @@ def drop_frozen_weights(checkpoint: dict, module: nn.Module) -> None:
 def restore_frozen_weights(checkpoint: dict, module: nn.Module) -> None:
     frozen = frozen_state_keys(module)
     checkpoint["state_dict"].update({k: v for k, v in module.state_dict().items() if k in frozen})
+
+
+def logger_identity(logger) -> Optional[dict[str, Any]]:
+    """Where a logger writes (``save_dir``, ``name``, ``version``), to resume into the same folder
+    (``checkpoint["gspo"]["loggers"]``; the ``gspo`` command continues these version folders)."""
+    version = getattr(logger, "version", None)
+    save_dir = getattr(logger, "save_dir", None) or getattr(logger, "root_dir", None)
+    if version is None or save_dir is None:
+        return None
+    return {"class": f"{type(logger).__module__}.{type(logger).__qualname__}", "save_dir": str(save_dir),
+            "name": getattr(logger, "name", None), "version": version}
 
 
 def run_state(*, policy_version: int, rollout_steps: int, running_rewards, loggers, updater_state: dict[str, int],

@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-BUCKET_BYTES = 64 * 2**20
-
 
 def all_reduce_sum(tensor: Tensor) -> Tensor:
     """The sum over ranks (a copy); the tensor itself on one process."""
@@ -67,18 +65,15 @@ def check_strategy(strategy) -> None:
 @dataclass(frozen=True)
 class GradientSync:
     """``mode``: ``none`` (one process), ``reducer`` (DDP: ``policy_forward``, a DDP-wrapped
-    :class:`PolicyForward`, syncs in the last micro-batch's backward), ``manual`` (:meth:`reduce`
-    sums after the last backward, in 64 MiB buckets; kept for callers without a forward),
-    ``strategy`` (FSDP/FSDP2 reduce in backward) or ``deepspeed`` (the engine owns gradients
-    and clipping)."""
+    :class:`PolicyForward`, syncs in the last micro-batch's backward), ``strategy`` (FSDP2
+    reduces in backward) or ``deepspeed`` (the engine owns gradients and clipping)."""
 
     mode: str = "none"
     loss_scale: float = 1.0
     policy_forward: Optional[nn.Module] = None
 
     @classmethod
-    def for_strategy(cls, strategy, world_size: int, policy: Optional[nn.Module] = None,
-                     logprobs: Optional[Callable] = None) -> "GradientSync":
+    def for_strategy(cls, strategy, world_size: int, policy: nn.Module, logprobs: Callable) -> "GradientSync":
         from lightning.pytorch.strategies import DDPStrategy
 
         deepspeed = type(strategy).__name__ == "DeepSpeedStrategy"
@@ -90,8 +85,6 @@ class GradientSync:
             # Lightning's reducer stays off for the whole fit (its one forward is a whole step):
             # no_sync() is a context around one forward and backward, and Lightning has no public switch
             strategy.model.require_backward_grad_sync = False
-            if policy is None or logprobs is None:
-                return cls("manual", 1.0)
             from torch.nn.parallel import DistributedDataParallel
 
             # find_unused_parameters: an expert no token of this rank chose still joins the sum
@@ -110,29 +103,6 @@ class GradientSync:
         if self.policy_forward is None or last:
             return contextlib.nullcontext()
         return self.policy_forward.no_sync()
-
-    def reduce(self, params: Iterable[nn.Parameter], finite: bool, device: torch.device) -> bool:
-        """Sum gradients over ranks (``manual`` mode) in flat buckets, unless ``finite`` (already
-        agreed by every rank) is false; returns ``finite``."""
-        if self.mode != "manual" or not finite:
-            return finite
-        params = [p for p in params if p.requires_grad]
-        for p in params:  # a parameter unused on one rank (an idle expert) must still join the sum
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket, size = [], 0
-        grads = [p.grad for p in params]
-        for grad in grads + [None]:
-            if grad is not None:
-                bucket.append(grad)
-                size += grad.numel() * grad.element_size()
-            if bucket and (grad is None or size >= BUCKET_BYTES):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                for g, synced in zip(bucket, flat.split([g.numel() for g in bucket])):
-                    g.copy_(synced.view_as(g))
-                bucket, size = [], 0
-        return True
 
 
 def deepspeed_grad_norm(engine) -> Optional[Tensor]:

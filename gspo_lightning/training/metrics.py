@@ -112,3 +112,10 @@ def step_values(metrics: StepMetrics, rollout, advantages: Tensor, timings: dict
     sq_mean = values.pop("reward/sq_mean")
     values["reward/std"] = max(0.0, sq_mean - values["reward/mean"] ** 2) ** 0.5
     return values
+
+
+def eval_step(trainer, pl_module) -> int:
+    """The step an evaluation is of (its metrics' ``step``, its ``eval_results.jsonl`` line):
+    Lightning's step in ``fit``; in ``validate`` / ``test``, which restore a checkpoint's weights
+    but not Lightning's counter, the module's (``rollout_steps``)."""
+    return trainer.global_step if trainer.state.fn == "fit" else getattr(pl_module, "rollout_steps", trainer.global_step)

@@ -25,34 +25,33 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
-from gspo_lightning.episodes.runner import MultiTurn, check_episode_objective
+from gspo_lightning.episodes.multi_turn import MultiTurn, check_episode_objective
 from gspo_lightning.models.cpu_attention import group_attention_on_cpu
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
-from gspo_lightning.objective.advantages import RunningMoments, rewards_to_advantages
+from gspo_lightning.models.settings import Policy
+from gspo_lightning.objective.advantages import Advantages, RunningMoments
 from gspo_lightning.objective.clip_budget import ClipBudget
-from gspo_lightning.objective.offpolicy import OffPolicyCorrection, importance_weights
-from gspo_lightning.objective.options import (
-    AdvEstimator, Dtype, ImportanceSampling, KLEstimator, LossAggMode, OldLogprobs, OnRewardError, PolicyLossType,
-    RewardNorm, clip_range, validate_gspo_settings,
-)
-from gspo_lightning.objective.passk import record_eval_rollout
+from gspo_lightning.objective.offpolicy import importance_weights
+from gspo_lightning.objective.passk import Evaluation, record_eval_rollout
+from gspo_lightning.objective.settings import Objective
 from gspo_lightning.rewards.base import RewardComposer, RewardSpec
-from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine, RolloutWorker, SamplingParams
-from gspo_lightning.rollout.pipeline import StaleRollouts
+from gspo_lightning.rollout import EngineSpec, HFEngine, Rollout, RolloutEngine, RolloutWorker
 from gspo_lightning.rollout.sampling import step_seed
+from gspo_lightning.rollout.settings import Asynchronous, RolloutSettings
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import engine_weights
-from gspo_lightning.run.phases import PHASES
+from gspo_lightning.rollout.phases import PHASES
 from gspo_lightning.run.results import append_eval_record, eval_step
 from gspo_lightning.training import log_fast_path
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum, check_strategy
@@ -62,119 +61,48 @@ from gspo_lightning.training.metrics import StepMetrics, step_values
 from gspo_lightning.training.checkpointing import CheckpointHooks
 from gspo_lightning.training.rank_state import gather_objects
 from gspo_lightning.training.strategy_ops import StrategyOps
-from gspo_lightning.training.update import MetricHook, PolicyUpdater, update_settings
+from gspo_lightning.training.config import BLOCKS, ModuleSettings, nest_flat_keys, rename_note
+from gspo_lightning.training.update import MetricHook, PolicyUpdater, Update, update_settings
 
 __all__ = ["GSPOModule", "NonFiniteError"]
+
+
 
 
 class GSPOModule(CheckpointHooks, L.LightningModule):
     """GSPO (and GRPO-family) training of a causal language model.
 
+    The knobs live in typed blocks, each documented with its fields (``gspo fit --help``,
+    docs/config.md): ``policy`` (``models/settings.py``), ``rollout`` and ``asynchronous``
+    (``rollout/settings.py``), ``evaluation`` (``objective/passk.py``), ``advantages``
+    (``objective/advantages.py``), ``objective`` (``objective/settings.py``) and ``update``
+    (``training/update.py``). The flat keys of earlier releases (``clip_low``, ``response_length``,
+    ROLL's keys...) are still accepted as keyword arguments with the same meaning
+    (``training/config.py``).
+
     Args:
         model_name_or_path: hub id, local folder, a ``.gguf`` file, or ``builtin:<name>`` (a tiny
             local model, or ``builtin:smollm2-135m-instruct``); GGUF is converted once into a
             cached folder (``models/gguf.py``).
-        dtype: weight dtype: ``float32``, ``bfloat16`` or ``float16``.
-        attn_implementation: passed to ``from_pretrained`` (``sdpa``, ``flash_attention_2``...).
-        gradient_checkpointing: recompute decoder activations in backward to save memory.
-        trust_remote_code: allow a hub model's own Python code (off unless you trust it).
-        gguf_file: the GGUF file inside the folder ``model_name_or_path`` (transformers' ``gguf_file``).
+        policy: how the policy is loaded: dtype, attention implementation, gradient checkpointing,
+            remote code, GGUF file.
         lora: train LoRA adapters on the frozen policy (``models/lora.py``: rank, alpha, dropout,
             target modules); the reference is then the base with the adapters off. ``null``: full weights.
         rewards: the reward functions (import path, weight, kwargs, name).
-        on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
         engine: the generation engine, by ``class_path`` (default: ``HFEngine``, the policy
             itself; ``gspo_lightning.rollout.VLLMEngine`` for vLLM, see docs/vllm.md;
             ``gspo_lightning.rollout.RemoteEngine`` for rollout servers, docs/scaling.md).
-        num_return_sequences_in_group: responses per prompt, ``G`` (ROLL's key).
-        response_length: most new tokens per response (ROLL's key).
-        temperature: sampling temperature; log-probs are taken at the same temperature.
-        top_p: nucleus sampling mass (1: off); log-probs use the same filtered distribution.
-        top_k: top-k sampling (0: off); log-probs use the same filtered distribution.
-        val_num_samples: responses per validation prompt (pass@k uses k = this).
-        val_temperature: validation sampling temperature (0: greedy).
-        accuracy_threshold: a response counts as correct when its reward is at least this.
-        adv_estimator: ``grpo``, ``reinforce``, ``rloo`` or ``dr_grpo``.
-        reward_norm: ``null``, ``group``, ``batch`` or ``running`` normalization of rewards.
-        reward_shift: with ``reward_norm``, only subtract the mean.
-        reward_scale: with ``reward_norm``, only divide by the std.
-        reward_clip: clip rewards to ``[-c, c]`` after normalization (``null``: off).
-        add_token_level_kl: put ``-kl_coef * KL(old, ref)`` into every token's reward.
-        kl_coef: coefficient of the token-level KL reward.
-        whiten_advantages: whiten advantages over all valid tokens of the batch.
-        advantage_clip: clip advantages to ``[-c, c]`` (``null``: off).
-        importance_sampling: ``seq`` (GSPO), ``seq-token`` (GSPO-token) or ``token`` (GRPO).
-        policy_loss_type: the objective per unit (token, or response at the sequence levels):
-            ``ppo`` (the clipped surrogate of GSPO / GRPO), ``sapo`` (a soft gate in place of the
-            clip), ``cispo`` (the clipped ratio as a weight without gradient) or ``gmpo`` (the
-            geometric mean of token ratios, each clipped in log space; ``importance_sampling: seq``);
-            see docs/algorithm.md.
-        sapo_tau_pos: SAPO's gate temperature where the advantage is positive (``null``: 1.0,
-            the paper's); sapo only.
-        sapo_tau_neg: the same where it is not (``null``: 1.05); sapo only.
-        clip_low: ratio clip below 1 (``null``: 3e-4 for sequence levels, 0.2 for token; cispo:
-            1, no lower bound; gmpo: 0.4, a log-ratio bound; sapo: none, leave unset).
-        clip_high: ratio clip above 1 (``null``: 4e-4 for sequence levels, 0.27 for token; cispo:
-            4, the weight capped at 5; gmpo: 0.4, a log-ratio bound; sapo: none, leave unset).
-        dual_clip_loss: bound the loss of negative-advantage samples (ROLL's key; ppo only).
-        dual_clip: the dual-clip constant ``c > 1`` (ROLL uses ``1 + 2 * pg_clip``).
-        loss_agg_mode: ``seq-mean-token-mean`` (the paper), ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm``, ``seq-sum-token-sum-norm`` (ROLL's sum-norm) or ``token-mean``.
-        use_kl_loss: add ``kl_loss_coef * KL(policy, ref)`` to the loss.
-        kl_loss_coef: its coefficient.
-        kl_estimator: ``k1``, ``k2`` or ``k3`` for both KL terms.
-        ppo_epochs: passes over each rollout batch.
-        num_mini_batches: optimizer steps per rollout batch and epoch (the paper: 4). Several
-            are what let the clip act: with one, every ratio is exactly 1.
-        mini_batch_size: responses per optimizer step over all ranks; when set, it takes
-            precedence over ``num_mini_batches``.
-        micro_batch_size: responses per forward/backward on each rank, also in the no-grad
-            old-policy and reference passes (``null``: the fewest equal micro-batches of at most
-            8192 tokens, counting ``prompt_length + response_length`` per response; the no-grad
-            passes then take up to 8192 tokens per forward across mini-batches); a memory knob
-            that leaves the gradient unchanged, except the MoE load-balancing loss, which is a
-            mean per micro-batch.
-        max_grad_norm: gradient norm clip (``null``: off).
-        old_logprobs: ``recompute`` the old policy's log-probs with the trainer, or take the
-            ``engine``'s sampled-token log-probs (no extra pass; the paper's shortcut).
-        logprob_chunk_size: response tokens projected to the vocabulary at once (``null``:
-            the naive full-logits path).
-        max_consecutive_nonfinite: stop after this many skipped (non-finite) updates in a row.
-        dynamic_sampling: DAPO's dynamic sampling: generate more rounds of prompts until the step
-            holds ``rollout_batch_size`` groups whose rewards differ (``rollout/dynamic_sampling.py``).
-        max_sampling_rounds: extra generation rounds per step at most; when they run out the
-            step is filled up with zero-variance groups.
-        overlong_filtering: truncated responses (no end before ``response_length``) leave the
-            loss and its denominators (DAPO).
-        skip_zero_advantage: skip the forward and backward of responses with zero advantage
-            when no KL loss or MoE load-balancing loss needs them: the same loss and gradient,
-            less work. Off by default: per-update metrics (entropy, clip fractions) then cover
-            only the rows trained, and which filler rows run depends on the number of ranks.
-        routing_replay: Mixture-of-Experts only: record the experts each token used in the
-            old-policy pass and force them in the training forwards (the baseline GRPO needs
-            on MoE models). MoE policies always log how much routing changed since the old pass.
-        router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
         episodes: multi-turn episodes with an environment (``episodes.MultiTurn``; docs/episodes.md): each
-            sample is an episode, ``response_length`` its token budget after the prompt. ``null``: one turn.
-        max_staleness: ``k``: generate the rollouts of the next ``k`` steps while this one trains
-            (0: synchronous, on-policy; the default). The lag is counted in rollout steps; needs
-            an engine with its own weights (``HFCopyEngine`` in float32, ``RemoteEngine``, vLLM); see docs/async.md.
-        stale_rollouts: a rollout more than ``k`` steps old (after a resume with a smaller ``k``):
-            ``regenerate`` it with the current weights, or ``reweight`` it (keep it for the
-            off-policy correction, which must then be set). Counted as ``async/out_of_window``.
-        off_policy: importance correction of the engine (behaviour) policy against the old
-            policy (``offpolicy.OffPolicyCorrection``: ``mode`` decoupled / bypass, ``level``
-            seq / token / seq-product, ``method`` truncate / mask, thresholds); ``null``: off.
-        clip_budget: log which part of the clipped log-ratio is engine numerics, staleness or
-            the update (``clip_budget/*``; for ``sapo``, of the saturated gate's). Off by default: with ``old_logprobs: engine`` it costs
-            one extra no-grad pass per rollout (the trainer's log-probs to split against).
+            sample is an episode, ``rollout.response_length`` its token budget after the prompt. ``null``: one turn.
+        rollout: each step's rollout: group size, lengths, sampling, seed, dynamic sampling, reward errors.
+        evaluation: held-out evaluation: samples per prompt, temperature, accuracy threshold.
+        advantages: rewards to advantages: estimator, normalization, clips, token-level KL.
+        objective: the policy loss: ratio level, per-unit objective (``policy_loss``), aggregation,
+            old log-probs, KL loss.
+        update: the updates: epochs, mini- and micro-batches, gradient clip, filters, MoE, metric hooks.
+        asynchronous: rollouts generated ahead (``max_staleness``), off-policy correction, clip budget.
         export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
             to ``<log dir>/hf_model`` when ``fit`` ends.
-        rollout_seed: base seed of sampling (``null``: the run's ``seed_everything`` seed).
-        prompt_length: longest prompt in tokens (the CLI links it from ``data.prompt_length``).
-        rollout_batch_size: prompts per step (the CLI links it from ``data.rollout_batch_size``).
-        metric_hooks: functions ``hook(MicroBatch) -> {name: (value, weight)}`` adding
-            per-update metrics (``training/update.py``).
         optimizer: optimizer factory (default AdamW, lr 1e-6).
         lr_scheduler: scheduler factory, stepped once per optimizer step.
     """
@@ -182,103 +110,72 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
     def __init__(
         self,
         model_name_or_path: str = "builtin:tiny-echo",
-        dtype: Dtype = "float32",
-        attn_implementation: Optional[str] = None,
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
-        gguf_file: Optional[str] = None,
+        policy: Policy = Policy(),  # noqa: B008 - a block of defaults, never mutated
         lora: Optional[LoRA] = None,
         rewards: Optional[list[RewardSpec]] = None,
-        on_reward_error: OnRewardError = "raise",
         engine: Optional[RolloutEngine] = None,
         episodes: Optional[MultiTurn] = None,
-        num_return_sequences_in_group: int = 8,
-        response_length: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        val_num_samples: int = 1,
-        val_temperature: float = 0.0,
-        accuracy_threshold: float = 1.0,
-        adv_estimator: AdvEstimator = "grpo",
-        reward_norm: Optional[RewardNorm] = None,
-        reward_shift: bool = False,
-        reward_scale: bool = False,
-        reward_clip: Optional[float] = None,
-        add_token_level_kl: bool = False,
-        kl_coef: float = 0.0,
-        whiten_advantages: bool = False,
-        advantage_clip: Optional[float] = None,
-        importance_sampling: ImportanceSampling = "seq",
-        policy_loss_type: PolicyLossType = "ppo",
-        sapo_tau_pos: Optional[float] = None,
-        sapo_tau_neg: Optional[float] = None,
-        clip_low: Optional[float] = None,
-        clip_high: Optional[float] = None,
-        dual_clip_loss: bool = False,
-        dual_clip: float = 3.0,
-        loss_agg_mode: LossAggMode = "seq-mean-token-mean",
-        use_kl_loss: bool = False,
-        kl_loss_coef: float = 0.001,
-        kl_estimator: KLEstimator = "k3",
-        ppo_epochs: int = 1,
-        num_mini_batches: Optional[int] = 4,
-        mini_batch_size: Optional[int] = None,
-        micro_batch_size: Optional[int] = None,
-        max_grad_norm: Optional[float] = 1.0,
-        old_logprobs: OldLogprobs = "recompute",
-        logprob_chunk_size: Optional[int] = 512,
-        max_consecutive_nonfinite: int = 3,
-        dynamic_sampling: bool = False,
-        max_sampling_rounds: int = 3,
-        overlong_filtering: bool = False,
-        skip_zero_advantage: bool = False,
-        routing_replay: bool = False,
-        router_aux_loss_coef: float = 0.0,
+        rollout: RolloutSettings = RolloutSettings(),  # noqa: B008 - a block of defaults, never mutated
+        evaluation: Evaluation = Evaluation(),  # noqa: B008 - a block of defaults, never mutated
+        advantages: Advantages = Advantages(),  # noqa: B008 - a block of defaults, never mutated
+        objective: Objective = Objective(),  # noqa: B008 - a block of defaults, never mutated
+        update: Update = Update(),  # noqa: B008 - a block of defaults, never mutated
+        asynchronous: Asynchronous = Asynchronous(),  # noqa: B008 - a block of defaults, never mutated
         export_on_fit_end: bool = True,
-        max_staleness: int = 0,
-        stale_rollouts: StaleRollouts = "regenerate",
-        off_policy: Optional[OffPolicyCorrection] = None,
-        clip_budget: bool = False,
-        rollout_seed: Optional[int] = None,
-        prompt_length: Optional[int] = None,
-        rollout_batch_size: Optional[int] = None,
-        metric_hooks: Optional[list[Callable]] = None,
         optimizer: Optional[OptimizerCallable] = None,
         lr_scheduler: Optional[LRSchedulerCallable] = None,
+        **flat_keys,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "rewards", "engine", "episodes", "metric_hooks", "off_policy", "lora"])
-        # plain dicts, so checkpoints load with torch.load(weights_only=True)
-        self.hparams["rewards"] = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None
-        # config blocks as dataclasses here, as dicts in the hyper-parameters (a dict: from a checkpoint's)
-        for name, block, kind in (("off_policy", off_policy, OffPolicyCorrection), ("lora", lora, LoRA)):
-            setattr(self, name, kind(**block) if isinstance(block, dict) else block)
-            self.hparams[name] = dataclasses.asdict(getattr(self, name)) if block is not None else None
-        validate_gspo_settings(dict(self.hparams))
+        if flat_keys:  # the flat keys of earlier releases (and of their checkpoints' hyper-parameters)
+            blocks, renames = nest_flat_keys(flat_keys)
+            unknown = sorted(set(blocks) - set(BLOCKS))
+            if unknown:
+                raise TypeError(f"GSPOModule got unexpected keyword argument(s) {', '.join(unknown)}")
+            given = dict(policy=policy, rollout=rollout, evaluation=evaluation, advantages=advantages,
+                         objective=objective, update=update, asynchronous=asynchronous)
+            for name, values in blocks.items():
+                base = given[name]
+                base = dataclasses.asdict(base) if dataclasses.is_dataclass(base) else dict(base or {})
+                given[name] = {**base, **values}
+            policy, rollout, evaluation, advantages, objective, update, asynchronous = given.values()
+            if renames:
+                rank_zero_info(rename_note(renames))
+        # the blocks, checked together (training/config.py); read as self.settings.<block>.<field>
+        self.settings = ModuleSettings.build(policy=policy, rollout=rollout, evaluation=evaluation, advantages=advantages,
+                                             objective=objective, update=update, asynchronous=asynchronous)
+        self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
+        # plain values, so checkpoints load with torch.load(weights_only=True) and rebuild this module
+        self.save_hyperparameters({
+            "model_name_or_path": model_name_or_path, "export_on_fit_end": export_on_fit_end,
+            "rewards": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rewards or []] or None,
+            "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+            **self.settings.plain_values(),
+        })
+        self.export_on_fit_end = export_on_fit_end
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.clip_low, self.clip_high = clip_range(importance_sampling, clip_low, clip_high, policy_loss_type)
-        self.clip_budget = ClipBudget(importance_sampling, self.clip_low, self.clip_high, policy_loss_type=policy_loss_type,
-                                      sapo_tau=(sapo_tau_pos, sapo_tau_neg)) if clip_budget else None
-        self.metric_hooks: list[MetricHook] = list(metric_hooks or []) + ([self.clip_budget] if clip_budget else [])
+        cfg = self.settings
+        self.off_policy = cfg.asynchronous.off_policy
+        self.clip_budget = ClipBudget(cfg.objective.importance_sampling, cfg.objective.policy_loss) \
+            if cfg.asynchronous.clip_budget else None
+        self.metric_hooks: list[MetricHook] = list(cfg.update.metric_hooks or []) + \
+            ([self.clip_budget] if self.clip_budget is not None else [])
         self.automatic_optimization = False
         log_fast_path.install()  # ~40 metrics a step through self.log: Lightning's per-key walk is 13 ms of it
 
         # the folder every loader reads: a GGUF source's converted copy, else the name itself
-        self.model_source = resolve_model(model_name_or_path, gguf_file)
-        self.tokenizer = load_tokenizer(self.model_source, trust_remote_code)
-        composer = RewardComposer(self.hparams["rewards"], on_error=on_reward_error) if rewards else None
-        greedy = val_temperature == 0
+        self.model_source = resolve_model(model_name_or_path, cfg.policy.gguf_file)
+        self.tokenizer = load_tokenizer(self.model_source, cfg.policy.trust_remote_code)
+        r = cfg.rollout
+        composer = RewardComposer(self.hparams["rewards"], on_error=r.on_reward_error) if rewards else None
         self.worker = RolloutWorker(
             engine if engine is not None else HFEngine(), composer, self.tokenizer,
-            train_params=SamplingParams(response_length, temperature, top_p, top_k),
-            group_size=num_return_sequences_in_group,
-            eval_params=SamplingParams(response_length, val_temperature, 1.0 if greedy else top_p, 0 if greedy else top_k),
-            eval_group_size=val_num_samples,
+            train_params=r.params, group_size=r.num_return_sequences_in_group,
+            eval_params=r.eval_params(cfg.evaluation.val_temperature), eval_group_size=cfg.evaluation.val_num_samples,
             episodes=episodes,
         )
-        self.episodes = check_episode_objective(episodes, importance_sampling, adv_estimator)
+        self.episodes = check_episode_objective(episodes, cfg.objective.importance_sampling, cfg.advantages.adv_estimator)
         self.policy = None
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
@@ -299,19 +196,19 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
     # -- models ------------------------------------------------------------------------
     @property
     def needs_reference(self) -> bool:
-        return self.hparams.use_kl_loss or self.hparams.add_token_level_kl
+        return self.settings.objective.use_kl_loss or self.settings.advantages.add_token_level_kl
 
     def configure_model(self) -> None:
         """Load the policy (and the reference, when a KL term needs it) once."""
         if self.policy is not None:
             return
-        hp = self.hparams
-        policy = load_policy(self.model_source, self.tokenizer, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
+        cfg = self.settings
+        policy = load_policy(self.model_source, self.tokenizer, cfg.policy.dtype, cfg.policy.attn_implementation, cfg.policy.trust_remote_code)
         policy = attach_lora(policy, self.lora) if self.lora is not None else policy
         # from_pretrained returns eval mode, and neither Lightning nor transformers switch back:
         # gradient checkpointing and dropout act only in train mode
         self.policy = policy.train()
-        if hp.gradient_checkpointing:
+        if cfg.policy.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.config.use_cache = False
         if self.needs_reference and self.lora is None:  # with LoRA the reference is the base: adapters off
@@ -319,7 +216,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         if self.device_mesh is not None:  # set by ModelParallelStrategy (FSDP2)
             self._fully_shard(self.device_mesh)
         config = self.policy.config
-        if hp.routing_replay or hp.router_aux_loss_coef > 0 or getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
+        if cfg.update.routing_replay or cfg.update.router_aux_loss_coef > 0 or getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
             from gspo_lightning.models.moe import RoutingRecorder
 
             self.routing_recorder = RoutingRecorder(self.policy)
@@ -358,18 +255,18 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
-        if self.hparams.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
-            self._build_updater(self.hparams.rollout_batch_size, self.trainer.world_size)
+        if self.settings.rollout.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
+            self._build_updater(self.settings.rollout.rollout_batch_size, self.trainer.world_size)
         self._start_worker()
-        self.rollouts = self._rollout_source(self.hparams.max_staleness, fit=True)
+        self.rollouts = self._rollout_source(self.settings.asynchronous.max_staleness, fit=True)
 
     def _rollout_source(self, max_staleness: int, fit: bool) -> RolloutSource:
-        hp = self.hparams
+        cfg = self.settings
         root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
         source = rollout_source(
             self.worker, lambda: engine_weights(self.policy, self.worker.engine.weights_format, root), self.device, self.sampling_seed,
-            max_staleness=max_staleness, stale_rollouts=hp.stale_rollouts, datamodule=self.trainer.datamodule,
-            dynamic_sampling_rounds=hp.max_sampling_rounds if fit and hp.dynamic_sampling else None,
+            max_staleness=max_staleness, stale_rollouts=cfg.asynchronous.stale_rollouts, datamodule=self.trainer.datamodule,
+            dynamic_sampling_rounds=cfg.rollout.max_sampling_rounds if fit and cfg.rollout.dynamic_sampling else None,
             sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
             behaviour_logprobs=self._behaviour_logprobs if self.clip_budget is not None else None, gather=gather_objects,
         )
@@ -392,11 +289,11 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         self._start_worker()
 
     def _start_worker(self) -> None:
-        hp = self.hparams
+        cfg = self.settings
         trainer = self.trainer
         self.worker.start(EngineSpec(
-            model_name_or_path=self.model_source, dtype=hp.dtype, prompt_length=hp.prompt_length,
-            response_length=hp.response_length, seed=self.sampling_seed(0), trust_remote_code=hp.trust_remote_code,
+            model_name_or_path=self.model_source, dtype=cfg.policy.dtype, prompt_length=cfg.rollout.prompt_length,
+            response_length=cfg.rollout.response_length, seed=self.sampling_seed(0), trust_remote_code=cfg.policy.trust_remote_code,
             eos_token_ids=eos_token_ids(self.policy, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id,
             rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size,
             policy=self.policy, tokenizer=self.tokenizer,
@@ -406,8 +303,11 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         ))
 
     def _build_updater(self, prompts_per_step: int, world: int = 1) -> None:
-        settings = update_settings(self.hparams, prompts_per_step, world, clip_low=self.clip_low, clip_high=self.clip_high,
-                                   warn_no_clip=self.hparams.old_logprobs == "recompute" and self.rollout_steps == 0,
+        cfg = self.settings
+        settings = update_settings(cfg.update, cfg.objective, group_size=cfg.rollout.num_return_sequences_in_group,
+                                   prompt_length=cfg.rollout.prompt_length, response_length=cfg.rollout.response_length,
+                                   prompts_per_step=prompts_per_step, world=world,
+                                   warn_no_clip=cfg.objective.old_logprobs == "recompute" and self.rollout_steps == 0,
                                    episodes=self.episodes is not None)
         state = self.updater.state_dict() if self.updater is not None else self._updater_state
         self.updater = PolicyUpdater(settings, self.step_metrics, self.metric_hooks)
@@ -419,7 +319,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             # Lightning restores the step after on_fit_start, then finds nothing to do: say so, export nothing
             raise ValueError(f"the run is already at step {step} and trainer.max_steps={max_steps}: nothing to train. "
                              f"To continue from this checkpoint, set --trainer.max_steps above {step}")
-        if self.hparams.export_on_fit_end:
+        if self.export_on_fit_end:
             from gspo_lightning.run.export import export_after_fit
 
             export_after_fit(self.policy, self.tokenizer, Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model",
@@ -427,18 +327,18 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
 
     # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
-        base = self.hparams.rollout_seed if self.hparams.rollout_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        base = self.settings.rollout.rollout_seed if self.settings.rollout.rollout_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         return step_seed(base, step, rank=self.global_rank)  # rank 0 without a trainer
 
     def _logprobs(self, model, rollout: Rollout, rows: Tensor) -> tuple[Tensor, Tensor]:
-        hp = self.hparams
+        cfg = self.settings
         return response_logprobs(
             model, rollout.input_ids[rows], rollout.attention_mask[rows], rollout.prompt_width,
             # the distribution the engine sampled from: temperature, then the top-k / top-p filters
-            temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p,
+            temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
             # the chunked path calls the decoder and the head separately: under FSDP2 both are
             # their own units, unless the model has parameters outside them (training/sharding.py)
-            chunk_size=hp.logprob_chunk_size if self._chunked_logprobs else None,
+            chunk_size=cfg.update.logprob_chunk_size if self._chunked_logprobs else None,
         )
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:
@@ -471,14 +371,14 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
 
     def _needs_old_pass(self, num_responses: int) -> bool:
         """With exactly one update, the old log-probs equal the first forward's own: skip the pass."""
-        s, hp = self.updater.settings, self.hparams
+        s, cfg = self.updater.settings, self.settings
         decoupled = self.off_policy is not None and self.off_policy.mode == "decoupled"  # weights need o before any update
-        return s.ppo_epochs * (num_responses // s.mini_batch_size) > 1 or hp.add_token_level_kl or hp.routing_replay or decoupled
+        return s.ppo_epochs * (num_responses // s.mini_batch_size) > 1 or cfg.advantages.add_token_level_kl or cfg.update.routing_replay or decoupled
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        hp = self.hparams
+        cfg = self.settings
         step_start = time.perf_counter()
-        PHASES.begin(f"generating {len(batch['prompt_ids']) * hp.num_return_sequences_in_group} responses")  # the progress display
+        PHASES.begin(f"generating {len(batch['prompt_ids']) * cfg.rollout.num_return_sequences_in_group} responses")  # the progress display
         rollout, source_stats = self.rollouts.next(self.rollout_steps, batch, self.policy_version)
         if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
             self._build_updater(len(batch["prompt_ids"]) * self.trainer.world_size, self.trainer.world_size)
@@ -489,15 +389,15 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         if self.routing_recorder is not None:
             self.routing_recorder.clear()
         old = None
-        if hp.old_logprobs == "engine":
+        if cfg.objective.old_logprobs == "engine":
             old = rollout.engine_logprobs
         elif self._needs_old_pass(rollout.num_responses):
             with self.routing_recorder.record() if self.routing_recorder is not None else contextlib.nullcontext():
                 old = self._logprobs_no_grad(self.policy, rollout)
         # the trainer's own log-probs at this update's start (o): the old policy, or for the
         # clip budget / off-policy metrics beside the engine's old policy (bypass)
-        trainer_old = old if hp.old_logprobs == "recompute" else None
-        if trainer_old is None and hp.old_logprobs == "engine" and (self.clip_budget is not None or self.off_policy is not None):
+        trainer_old = old if cfg.objective.old_logprobs == "recompute" else None
+        if trainer_old is None and cfg.objective.old_logprobs == "engine" and (self.clip_budget is not None or self.off_policy is not None):
             trainer_old = self._logprobs_no_grad(self.policy, rollout)
         ref = self._reference_logprobs(rollout)
         time_logprobs = time.perf_counter() - start
@@ -505,19 +405,15 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             self.step_metrics.update(name, value)
         if self.clip_budget is not None:  # a metric hook: splits each clip of this rollout's updates by cause
             self.clip_budget.begin(old=trainer_old, behaviour=rollout.engine_logprobs,
-                                   behaviour_old=rollout.behaviour_trainer_logprobs, old_is_behaviour=hp.old_logprobs == "engine",
+                                   behaviour_old=rollout.behaviour_trainer_logprobs, old_is_behaviour=cfg.objective.old_logprobs == "engine",
                                    same_weights=rollout.policy_version == self.policy_version)
         is_weights = importance_weights(trainer_old, rollout.engine_logprobs, rollout.response_mask, self.off_policy,
                                         self.step_metrics, all_reduce_sum)  # the ESS over all ranks' units
 
-        _, advantages = rewards_to_advantages(
-            rollout.rewards, rollout.response_mask, rollout.group_size,
-            adv_estimator=hp.adv_estimator, reward_norm=hp.reward_norm, reward_shift=hp.reward_shift,
-            reward_scale=hp.reward_scale, reward_clip=hp.reward_clip, running=self.running_rewards,
-            add_token_level_kl=hp.add_token_level_kl,
+        _, advantages = cfg.advantages.compute(
+            rollout.rewards, rollout.response_mask, rollout.group_size, running=self.running_rewards,
             old_logprobs=old if old is not None else rollout.engine_logprobs, ref_logprobs=ref,
-            kl_coef=hp.kl_coef, kl_estimator=hp.kl_estimator, whiten_advantages=hp.whiten_advantages,
-            advantage_clip=hp.advantage_clip, reduce_sum=all_reduce_sum, scored=rollout.scored,
+            kl_estimator=cfg.objective.kl_estimator, reduce_sum=all_reduce_sum, scored=rollout.scored,
         )
         if self.episodes is not None and self.episodes.turn_advantages:  # GSPO-token: each turn its own return
             advantages = self.episodes.advantages(rollout.rewards, rollout.turn_rewards, rollout.turn_of_token,
@@ -530,7 +426,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             forward = lambda *args: self._logprobs(self.policy, *args)  # noqa: E731
         scaling = LossScaling(getattr(self.trainer.precision_plugin, "scaler", None))
         ops = StrategyOps(self, self.trainer.strategy, self.optimizers(), self.lr_schedulers(), list(self.policy.parameters()),
-                          self.grad_sync, scaling, hp.max_grad_norm)
+                          self.grad_sync, scaling, cfg.update.max_grad_norm)
         PHASES.begin_update(self.updater.settings, rollout.num_responses)
         self.policy_version += self.updater.run(
             rollout, advantages, old, ref, lambda rows: forward(rollout, rows), ops,
@@ -549,7 +445,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         values["lr"] = float(self.optimizers().param_groups[0]["lr"])
         values["step"] = float(self.trainer.global_step)  # the loggers' x: steps done, as in evaluations and checkpoints
         values.update(batch.get("stats", {}))  # prompts kept / truncated / dropped / bad
-        if rollout.reward_errors and self.hparams.on_reward_error == "zero":
+        if rollout.reward_errors and self.settings.rollout.on_reward_error == "zero":
             warnings.warn(f"step {self.rollout_steps}: {rollout.reward_errors} response(s) scored 0 because a reward "
                           f"function failed (on_reward_error=zero); see reward/errors in the logs", stacklevel=2)
         n = rollout.num_responses
@@ -569,7 +465,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             self.rollouts = self._rollout_source(0, fit=False)
         rollout = self.rollouts.rollout(batch, self.sampling_seed(10_000_000 + batch_idx), self.policy_version, evaluation=True)
         record_eval_rollout(self.val_metrics, stage, rollout.rewards, rollout.lengths, rollout.group_size,
-                            self.hparams.accuracy_threshold)
+                            self.settings.evaluation.accuracy_threshold)
 
     def on_validation_epoch_end(self) -> None:
         values = self.val_metrics.compute()

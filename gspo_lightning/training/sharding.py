@@ -9,15 +9,15 @@ so the decoder and the head can be called separately, as the chunked log-prob pa
 outside its decoder and head gets a root unit instead, and must take the full-logit path.
 
 Generation with the Hugging Face engine gathers every unit once per ``generate`` call
-(:func:`gathered`), not once per decoded token.
+(:func:`~gspo_lightning.rollout.hf.gathered`, defined with the engine that calls it, so that
+rollout/ imports nothing from training/), not once per decoded token.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 from torch import nn
+
+from gspo_lightning.rollout.hf import fsdp_units, gathered  # noqa: F401 - importable from here as before
 
 
 def data_parallel_mesh(mesh):
@@ -47,31 +47,6 @@ def fully_shard_causal_lm(model: nn.Module, mesh) -> bool:
         return head is not None
     fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the rest; forwards must start at the root
     return False
-
-
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that ``fully_shard`` made units (empty when unsharded)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-@contextlib.contextmanager
-def gathered(model: nn.Module) -> Iterator[bool]:
-    """Every FSDP2 unit of ``model`` unsharded for the whole block (full weights on every
-    rank, as under DDP), so that a decode loop's forwards gather nothing; resharded after.
-    Yields whether the model was sharded. Inside the block no forward runs a collective,
-    so ranks need not decode in lockstep."""
-    units = fsdp_units(model)
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield bool(units)
-    finally:
-        for unit in units:
-            unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
 
 
 __all__ = ["data_parallel_mesh", "fsdp_units", "fully_shard_causal_lm", "gathered"]

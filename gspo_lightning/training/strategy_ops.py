@@ -9,7 +9,7 @@ every step:
 - ``step(counted=True)``: Lightning's optimizer wrapper, which advances ``trainer.global_step``
   (once per rollout step); ``step(counted=False)``: ``strategy.optimizer_step``, the same
   step without the count;
-- gradient sums over ranks and the micro-batch sync context: ``distributed.GradientSync``;
+- the micro-batch sync context and the loss scale over ranks: ``distributed.GradientSync``;
 - clipping and overflow skips under fp16: ``loss_scaling.LossScaling``.
 """
 
@@ -54,9 +54,6 @@ class StrategyOps(UpdateOps):
 
     def backward(self, loss: Tensor) -> None:
         self.module.manual_backward(loss * self.grad_sync.loss_scale)
-
-    def reduce_gradients(self, finite: bool) -> bool:
-        return self.grad_sync.reduce(self.params, finite, self.module.device)
 
     def clip_gradients(self) -> Tensor:
         return self.scaling.clip_grad_norm(self.params, self.max_grad_norm, self.grad_sync, self.module.device)

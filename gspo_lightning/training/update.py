@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.errors import NonFiniteError
-from gspo_lightning.objective.loss import masked_sequence_mean, policy_loss
-from gspo_lightning.objective.options import DEFAULT_SAPO_TAU
+from gspo_lightning.objective.settings import Objective
+from gspo_lightning.objective.terms import masked_sequence_mean
 from gspo_lightning.rollout.worker import Rollout
 from gspo_lightning.training.metrics import StepMetrics
 from gspo_lightning.training.row_filters import loss_mask, micro_batches, rows_with_advantage
@@ -32,31 +32,83 @@ log = logging.getLogger(__name__)
 Number = Union[Tensor, float]
 
 
+@dataclass
+class Update:
+    """The updates of each rollout: epochs, mini-batches, micro-batches, and what they train on.
+
+    Args:
+        ppo_epochs: passes over each rollout batch.
+        num_mini_batches: optimizer steps per rollout batch and epoch (the paper: 4). Several
+            are what let the clip act: with one, every ratio is exactly 1.
+        mini_batch_size: responses per optimizer step over all ranks; when set, it takes
+            precedence over ``num_mini_batches``.
+        micro_batch_size: responses per forward/backward on each rank, also in the no-grad
+            old-policy and reference passes (``null``: the fewest equal micro-batches of at most
+            8192 tokens, counting ``prompt_length + response_length`` per response; the no-grad
+            passes then take up to 8192 tokens per forward across mini-batches); a memory knob
+            that leaves the gradient unchanged, except the MoE load-balancing loss, which is a
+            mean per micro-batch.
+        max_grad_norm: gradient norm clip (``null``: off).
+        logprob_chunk_size: response tokens projected to the vocabulary at once (``null``:
+            the naive full-logits path).
+        max_consecutive_nonfinite: stop after this many skipped (non-finite) updates in a row.
+        overlong_filtering: truncated responses (no end before ``response_length``) leave the
+            loss and its denominators (DAPO).
+        skip_zero_advantage: skip the forward and backward of responses with zero advantage
+            when no KL loss or MoE load-balancing loss needs them: the same loss and gradient,
+            less work. Off by default: per-update metrics (entropy, clip fractions) then cover
+            only the rows trained, and which filler rows run depends on the number of ranks.
+        routing_replay: Mixture-of-Experts only: record the experts each token used in the
+            old-policy pass and force them in the training forwards (the baseline GRPO needs
+            on MoE models). MoE policies always log how much routing changed since the old pass.
+        router_aux_loss_coef: Mixture-of-Experts load-balancing loss coefficient (0: off).
+        metric_hooks: functions ``hook(MicroBatch) -> {name: (value, weight)}`` adding
+            per-update metrics.
+    """
+
+    ppo_epochs: int = 1
+    num_mini_batches: Optional[int] = 4
+    mini_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    max_grad_norm: Optional[float] = 1.0
+    logprob_chunk_size: Optional[int] = 512
+    max_consecutive_nonfinite: int = 3
+    overlong_filtering: bool = False
+    skip_zero_advantage: bool = False
+    routing_replay: bool = False
+    router_aux_loss_coef: float = 0.0
+    metric_hooks: Optional[list[Callable]] = None
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.ppo_epochs < 1:
+            problems.append(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        for name in ("num_mini_batches", "mini_batch_size", "micro_batch_size", "logprob_chunk_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.mini_batch_size and self.micro_batch_size and self.mini_batch_size % self.micro_batch_size:
+            problems.append(f"mini_batch_size={self.mini_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
+        if self.router_aux_loss_coef < 0:
+            problems.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        return problems
+
+
 @dataclass(frozen=True)
 class UpdateSettings:
-    """The loss and the loop, as resolved from the module's config."""
+    """The loss and the loop of one rollout's updates: the ``update`` and ``objective`` blocks with
+    the batch plan resolved for this step's size and ranks (:func:`update_settings`)."""
 
-    importance_sampling: str
-    clip_low: float
-    clip_high: float
-    dual_clip: Optional[float]  # None: off
-    loss_agg_mode: str
-    kl_coef: float  # 0: no KL term in the loss
-    kl_estimator: str
+    update: Update
+    objective: Objective
     horizon: int  # response_length, the H of seq-mean-token-sum-norm
-    ppo_epochs: int
     mini_batch_size: int  # responses per optimizer step on this rank
     micro_batch_size: int  # responses per forward/backward on this rank
     world_size: int = 1
     no_grad_micro_batch_size: int = 0  # responses per forward of the no-grad passes (0: micro_batch_size)
-    router_aux_loss_coef: float = 0.0
-    routing_replay: bool = False
-    max_consecutive_nonfinite: int = 3
-    overlong_filtering: bool = False  # truncated responses leave the loss (training/row_filters.py)
-    skip_zero_advantage: bool = False  # no forward/backward for rows that add exactly zero (training/row_filters.py)
-    policy_loss_type: str = "ppo"  # the per-unit objective (objective/loss.py)
-    sapo_tau_pos: float = DEFAULT_SAPO_TAU[0]
-    sapo_tau_neg: float = DEFAULT_SAPO_TAU[1]
+
+    @property
+    def ppo_epochs(self) -> int:
+        return self.update.ppo_epochs
 
 
 @dataclass(frozen=True)
@@ -201,37 +253,20 @@ def no_grad_micro_batch(micro_batch_size: Optional[int], planned_micro: int, tok
     return max(planned_micro, MICRO_BATCH_TOKENS // tokens_per_response)
 
 
-def update_settings(config: Mapping, prompts_per_step: int, world: int, *, clip_low: float, clip_high: float,
-                    warn_no_clip: bool = False, episodes: bool = False) -> UpdateSettings:
-    """The update loop's settings from a module's config (``GSPOModule``'s arguments): the
-    batch plan of :func:`plan_batches` for ``prompts_per_step`` prompts over ``world`` ranks,
-    and the loss with its resolved clip range. ``episodes``: rows hold several turns, wider than
+def update_settings(update: Update, objective: Objective, *, group_size: int, prompt_length: Optional[int],
+                    response_length: int, prompts_per_step: int, world: int, warn_no_clip: bool = False,
+                    episodes: bool = False) -> UpdateSettings:
+    """The update loop's settings: the batch plan of :func:`plan_batches` for ``prompts_per_step``
+    prompts over ``world`` ranks, with the blocks. ``episodes``: rows hold several turns, wider than
     ``prompt_length + response_length``, so the no-grad passes keep the planned micro-batches."""
-    c = config
     mini, micro = plan_batches(
-        prompts_per_step, world, group_size=c["num_return_sequences_in_group"], num_mini_batches=c["num_mini_batches"],
-        mini_batch_size=c["mini_batch_size"], micro_batch_size=c["micro_batch_size"], ppo_epochs=c["ppo_epochs"],
-        warn_no_clip=warn_no_clip, tokens_per_response=(c["prompt_length"] or 0) + c["response_length"],
+        prompts_per_step, world, group_size=group_size, num_mini_batches=update.num_mini_batches,
+        mini_batch_size=update.mini_batch_size, micro_batch_size=update.micro_batch_size, ppo_epochs=update.ppo_epochs,
+        warn_no_clip=warn_no_clip, tokens_per_response=(prompt_length or 0) + response_length,
     )
-    return UpdateSettings(
-        importance_sampling=c["importance_sampling"], clip_low=clip_low, clip_high=clip_high,
-        dual_clip=c["dual_clip"] if c["dual_clip_loss"] else None, loss_agg_mode=c["loss_agg_mode"],
-        kl_coef=c["kl_loss_coef"] if c["use_kl_loss"] else 0.0, kl_estimator=c["kl_estimator"], horizon=c["response_length"],
-        ppo_epochs=c["ppo_epochs"], mini_batch_size=mini, micro_batch_size=micro, world_size=world,
-        no_grad_micro_batch_size=no_grad_micro_batch(c["micro_batch_size"], micro, None if episodes or not c["prompt_length"]
-                                                     else c["prompt_length"] + c["response_length"]),
-        router_aux_loss_coef=c["router_aux_loss_coef"], routing_replay=c["routing_replay"],
-        max_consecutive_nonfinite=c["max_consecutive_nonfinite"],
-        overlong_filtering=c["overlong_filtering"], skip_zero_advantage=c["skip_zero_advantage"],
-        # an older checkpoint's hyper-parameters lack the objective's keys: today's defaults
-        policy_loss_type=c.get("policy_loss_type", "ppo"),
-        sapo_tau_pos=_or_default(c.get("sapo_tau_pos"), DEFAULT_SAPO_TAU[0]),
-        sapo_tau_neg=_or_default(c.get("sapo_tau_neg"), DEFAULT_SAPO_TAU[1]),
-    )
-
-
-def _or_default(value, default):
-    return default if value is None else value
+    width = None if episodes or not prompt_length else prompt_length + response_length
+    return UpdateSettings(update, objective, horizon=response_length, mini_batch_size=mini, micro_batch_size=micro,
+                          world_size=world, no_grad_micro_batch_size=no_grad_micro_batch(update.micro_batch_size, micro, width))
 
 
 class PolicyUpdater:
@@ -273,13 +308,13 @@ class PolicyUpdater:
         MoE ``RoutingRecorder`` when the policy has experts (``models/moe.py``). ``is_weights`` (``(N,)`` or
         ``(N, T)``) are off-policy importance weights multiplying the surrogate (``objective/offpolicy.py``).
         """
-        s = self.settings
+        s, u, objective = self.settings, self.settings.update, self.settings.objective
         num = rollout.num_responses
-        mask = loss_mask(rollout.response_mask, rollout.truncated, s.overlong_filtering)
+        mask = loss_mask(rollout.response_mask, rollout.truncated, u.overlong_filtering)
         lengths = mask.sum(-1)
         device = mask.device
         # a row adds exactly zero to loss and gradient when its advantage is zero and no other term acts
-        exact_zero = s.skip_zero_advantage and s.kl_coef == 0 and s.router_aux_loss_coef == 0
+        exact_zero = u.skip_zero_advantage and objective.kl_coef == 0 and u.router_aux_loss_coef == 0
         teaching = rows_with_advantage(advantages, mask) if exact_zero else None
         steps_taken = 0
         counted = False
@@ -298,21 +333,17 @@ class PolicyUpdater:
                     with ops.accumulate(last=index == len(micros) - 1):  # DDP: sync (overlapped) in the last backward
                         logprobs, entropy, aux_loss = self._forward(policy_logprobs, rows, rollout.attention_mask[rows], routing_recorder, first)
                         micro_old = old[rows] if old is not None else logprobs.detach()
-                        loss, loss_metrics = policy_loss(
+                        loss, loss_metrics = objective.loss(
                             logprobs, micro_old, advantages[rows], mask[rows],
-                            importance_sampling=s.importance_sampling, clip_low=s.clip_low, clip_high=s.clip_high,
-                            dual_clip=s.dual_clip, loss_agg_mode=s.loss_agg_mode,
                             ref_logprobs=ref[rows] if ref is not None else None,
-                            kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
                             num_seqs=counts[0], num_tokens=counts[1], horizon=s.horizon,
                             is_weights=is_weights[rows] if is_weights is not None else None,
-                            policy_loss_type=s.policy_loss_type, sapo_tau_pos=s.sapo_tau_pos, sapo_tau_neg=s.sapo_tau_neg,
                         )
                         if aux_loss is not None:
                             # a mean per micro-batch, weighed by its share of the step's responses over
                             # ALL ranks: the gradients are summed over ranks, so this sums to the mean
                             share = len(rows) / (len(mini_rows) * s.world_size)
-                            loss = loss + s.router_aux_loss_coef * aux_loss * share
+                            loss = loss + u.router_aux_loss_coef * aux_loss * share
                         # a non-finite loss runs its backward too: every rank takes as many (sharded
                         # backwards are collective), and the step is skipped below on all ranks at once
                         ops.backward(loss)
@@ -343,14 +374,14 @@ class PolicyUpdater:
     def _forward(self, policy_logprobs, rows: Tensor, attention_mask: Tensor, recorder, first: bool):
         """The policy's log-probs with grad; with an MoE routing recorder also the routing change since
         the old-policy pass (measured before a replay overrides it) and the load-balancing loss."""
-        s = self.settings
+        u = self.settings.update
         if recorder is None:
             return (*policy_logprobs(rows), None)
         with contextlib.ExitStack() as stack:
             change = stack.enter_context(recorder.measure(rows)) if recorder.has_record and not first else None
-            if s.routing_replay:
+            if u.routing_replay:
                 stack.enter_context(recorder.replay(rows))
-            capture = stack.enter_context(recorder.capture_router_logits()) if s.router_aux_loss_coef > 0 else None
+            capture = stack.enter_context(recorder.capture_router_logits()) if u.router_aux_loss_coef > 0 else None
             logprobs, entropy = policy_logprobs(rows)
         if change is not None and change.value is not None:
             self.metrics.update("moe/routing_change", change.value)
@@ -366,7 +397,7 @@ class PolicyUpdater:
     def _record(self, micro: MicroBatch, lengths: Tensor, entropy: Tensor, first: bool) -> None:
         m = self.metrics
         metrics, mask = micro.loss_metrics, micro.mask
-        units = (lengths > 0).sum() if self.settings.importance_sampling != "token" else mask.sum()
+        units = (lengths > 0).sum() if self.settings.objective.importance_sampling != "token" else mask.sum()
         # the objective's own means over units: clip fractions (ppo, cispo, gmpo), the gate's (sapo), ratio_mean
         for name, value in metrics.items():
             if name not in ("kl", "ratio_max", "ratio_min"):
@@ -394,7 +425,7 @@ class PolicyUpdater:
         warnings.warn(
             f"{clip_frac:.1%} of the first mini-batch was clipped before any update: the old log-probs differ from "
             f"the trainer's (mean |token diff| {diff.abs().sum().item() / max(1, int(valid.sum())):.2e}, max |sequence "
-            f"log-ratio| {seq.max().item():.2e}; clip range {self.settings.clip_low:g}/{self.settings.clip_high:g}). "
+            f"log-ratio| {seq.max().item():.2e}; {self.settings.objective.resolved.describe()}). "
             f"With old_logprobs=engine this is the engine/trainer mismatch: use old_logprobs=recompute, or widen the "
             f"clip range above the mismatch. With recompute, the policy is not deterministic in train mode (dropout?).",
             stacklevel=2,
@@ -422,11 +453,11 @@ class PolicyUpdater:
             return
         self.consecutive_nonfinite += 1
         log.warning("skipped an update with a non-finite loss or gradient (%d in a row)", self.consecutive_nonfinite)
-        if self.consecutive_nonfinite >= self.settings.max_consecutive_nonfinite:
+        if self.consecutive_nonfinite >= self.settings.update.max_consecutive_nonfinite:
             raise NonFiniteError(
                 f"{self.consecutive_nonfinite} updates in a row had a non-finite loss or gradient. Lower the learning "
                 f"rate, set max_grad_norm, check the reward scale, or raise max_consecutive_nonfinite."
             )
 
 
-__all__ = ["MetricHook", "MicroBatch", "PolicyUpdater", "UpdateOps", "UpdateSettings", "plan_batches", "update_settings"]
+__all__ = ["MetricHook", "MicroBatch", "PolicyUpdater", "Update", "UpdateOps", "UpdateSettings", "plan_batches", "update_settings"]

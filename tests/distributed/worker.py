@@ -15,12 +15,12 @@ import torch
 
 from gspo_lightning.data.datamodule import PromptDataModule
 from gspo_lightning.episodes.messages import StepResult
-from gspo_lightning.episodes.runner import MultiTurn
+from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.models.lora import LoRA
 from gspo_lightning.rewards import RewardSpec
 from gspo_lightning.rollout.engine import Generation, RolloutEngine
 from gspo_lightning.training.module import GSPOModule
-from tests.test_episodes_modes import RepliesToEveryTurn
+from tests.helpers_episodes import RepliesToEveryTurn
 
 
 class DeterministicEngine(RolloutEngine):

@@ -1,7 +1,8 @@
-"""Offline tasks and locally built tiny models, for the quickstart, tests and benchmarks."""
+"""Offline tasks for the quickstart, tests and benchmarks, and (from ``models/tiny.py``) the locally
+built tiny models they train."""
 
 from gspo_lightning.data.tasks import addition, alternate, echo, lookup, pattern, successor
-from gspo_lightning.data.tasks.tiny import BUILTIN_PREFIX, TINY_MODELS, build_tiny, is_builtin, save_tiny
+from gspo_lightning.models.tiny import BUILTIN_PREFIX, TINY_MODELS, build_tiny, is_builtin, save_tiny
 
 # builtin:<name> data sources: name -> function(num_rows, seed) -> rows
 BUILTIN_DATASETS = {"echo": echo.make_rows, "successor": successor.make_rows, "alternate": alternate.make_rows,

@@ -17,11 +17,11 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from gspo_lightning.episodes.environments import Environment
-from gspo_lightning.episodes.messages import StepResult
-from gspo_lightning.episodes.parsers import ParsedTurn, ToolCall, ToolCallParser
+# the one import up the folders' order (tests/test_folder_order.py): a task with an environment
+# builds on episodes/, which imports nothing from data/
+from gspo_lightning.episodes import Environment, ParsedTurn, StepResult, ToolCall, ToolCallParser
 
-KEYS = ("a", "b", "c", "d", "e", "f")  # the tiny-lookup model's vocabulary: tiny.LOOKUP_WORDS
+KEYS = ("a", "b", "c", "d", "e", "f")  # in the tiny-lookup model's vocabulary: models/tiny.py's LOOKUP_WORDS
 
 
 def make_rows(num_rows: int, seed: int) -> list[dict]:

@@ -10,17 +10,17 @@ requests arrive, the HTTP layer's (``http.py``).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
+from gspo_lightning._imports import import_object
 from gspo_lightning.models.lora import adapter_param_name
 from gspo_lightning.rollout.engine import EngineSpec, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.server.lease import SessionLease
@@ -78,12 +78,11 @@ def build_engine(engine: dict) -> RolloutEngine:
     class_path = engine.get("class_path") or DEFAULT_ENGINE["class_path"]
     if "." not in class_path:
         class_path = f"gspo_lightning.rollout.{class_path}"
-    module, _, name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module), name, None)
+    cls = import_object(class_path, "server engine")
     if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
         raise ValueError(f"server engine {class_path!r} is not a gspo_lightning RolloutEngine")
     if getattr(cls, "is_client", False):
-        raise ValueError(f"a rollout server cannot host {name}, the client engine: give it a generating engine "
+        raise ValueError(f"a rollout server cannot host {cls.__name__}, the client engine: give it a generating engine "
                          "(gspo_lightning.rollout.HFEngine or VLLMEngine)")
     return cls(**dict(engine.get("init_args") or {}))
 
@@ -277,4 +276,10 @@ class RolloutServer:
         self.engine.close()
 
 
-__all__ = ["DEFAULT_ENGINE", "RolloutServer", "ServerSpec", "VersionError", "build_engine", "fingerprint", "model_fingerprint"]
+def spec_json(spec: ServerSpec) -> str:
+    """The spec as JSON: what ``gspo fit`` writes for the server it starts (``gspo serve --spec``)."""
+    return json.dumps(asdict(spec))
+
+
+__all__ = ["DEFAULT_ENGINE", "RolloutServer", "ServerSpec", "VersionError", "build_engine", "fingerprint", "model_fingerprint",
+           "spec_json"]

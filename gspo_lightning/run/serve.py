@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -26,16 +25,22 @@ def spec_from_config(config: dict) -> "ServerSpec":
     """The server a ``gspo fit`` config describes: its model, and the engine to host."""
     from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec
 
-    model = config.get("model") or {}
+    from gspo_lightning.models.settings import Policy
+    from gspo_lightning.rollout.settings import RolloutSettings
+    from gspo_lightning.training.config import nest_flat_keys
+
+    model, _ = nest_flat_keys(config.get("model") or {})  # a config of earlier releases: its flat keys in blocks
     data = config.get("data") or {}
+    # the blocks' own defaults: what gspo fit would run with
+    policy, rollout = Policy(**model.get("policy") or {}), RolloutSettings(**model.get("rollout") or {})
     engine = model.get("engine") or dict(DEFAULT_ENGINE)
     if str(engine.get("class_path", "")).endswith("RemoteEngine"):
         engine = (engine.get("init_args") or {}).get("server_engine") or dict(DEFAULT_ENGINE)
-    seed = model.get("rollout_seed")
+    seed = rollout.rollout_seed
     return ServerSpec(
-        model_name_or_path=model.get("model_name_or_path", "builtin:tiny-echo"), dtype=model.get("dtype", "float32"),
-        trust_remote_code=bool(model.get("trust_remote_code", False)), prompt_length=data.get("prompt_length"),
-        response_length=int(model.get("response_length", 256)),
+        model_name_or_path=model.get("model_name_or_path", "builtin:tiny-echo"), dtype=policy.dtype,
+        trust_remote_code=policy.trust_remote_code, prompt_length=data.get("prompt_length"),
+        response_length=rollout.response_length,
         seed=int(seed if seed is not None else (config.get("seed_everything") or 0)), engine=engine,
         lora=served_adapters(model),
     )
@@ -61,10 +66,6 @@ def weights_root_from_config(config: dict) -> Optional[str]:
     engine = (config.get("model") or {}).get("engine") or {}
     transport = (engine.get("init_args") or {}).get("transport") or {}
     return (transport.get("init_args") or {}).get("path") if isinstance(transport, dict) else None
-
-
-def spec_json(spec: "ServerSpec") -> str:
-    return json.dumps(asdict(spec))
 
 
 SECURITY = """security: with a secret ($GSPO_SERVER_TOKEN, or --token_file) every request but GET /health
@@ -180,4 +181,4 @@ if __name__ == "__main__":
     main(sys.argv[1:])
 
 
-__all__ = ["main", "served_adapters", "spec_from_config", "spec_json", "weights_root_from_config"]
+__all__ = ["main", "served_adapters", "spec_from_config", "weights_root_from_config"]

@@ -1,0 +1,100 @@
+"""Multi-turn episodes' settings (``model.episodes``): the environment, the episode's limits, the
+chat renderer built once the tokenizer exists, and GSPO-token's per-turn advantages.
+
+What drives an engine through the turns, the episode runner, sits with the rollout it feeds
+(``gspo_lightning/rollout/episodes.py``, :func:`~gspo_lightning.rollout.episodes.run_episodes`):
+nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from gspo_lightning.episodes.environments import Environment
+from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
+from gspo_lightning.objective.advantages import turn_advantages
+
+
+class MultiTurn:
+    """Multi-turn episodes (``model.episodes``): the environment and the episode's limits.
+
+    Args:
+        environment: the environment (``class_path``), e.g.
+            :class:`~gspo_lightning.episodes.ToolEnvironment` with plain Python functions as
+            tools. Each episode gets its own copy (:meth:`Environment.fresh`).
+        max_turns: assistant turns per episode at most.
+        max_turn_tokens: tokens one assistant turn may sample (``null``: what is left of the
+            episode's budget, ``response_length``).
+        on_environment_error: ``raise`` stops the run with the episode's context; ``end`` ends
+            that episode there (its reward comes from what it did so far) and counts it.
+        turn_advantages: GSPO-token's per-turn advantages: each turn's tokens get the return from
+            that turn on (the environment's turn rewards, then the episode's reward), against the
+            group's mean episode return; needs ``importance_sampling: seq-token`` (or ``token``).
+            Off: every token of an episode has the episode's advantage.
+        turn_discount: the per-turn discount of those returns (1: none).
+        system_prompt_for_tools: how the tools are shown when the chat template has no ``tools``
+            section (``{tools}``: their JSON schemas); ``null``: not shown (the prompts show them).
+        end_of_turn: the text of the token that ends an assistant turn in the template (default:
+            found in the template); ``""`` when the template does not write it (tiny models).
+        template_kwargs: extra chat-template variables, e.g. ``{enable_thinking: false}``.
+    """
+
+    lockstep: Optional[Callable[[bool], bool]] = None
+
+    def __init__(self, environment: Environment, max_turns: int = 4, max_turn_tokens: Optional[int] = None,
+                 on_environment_error: str = "raise", turn_advantages: bool = False, turn_discount: float = 1.0,
+                 system_prompt_for_tools: Optional[str] = DEFAULT_TOOLS_SYSTEM_PROMPT, end_of_turn: Optional[str] = None,
+                 template_kwargs: Optional[dict] = None):
+        if max_turns < 1:
+            raise ValueError(f"episodes.max_turns must be >= 1, got {max_turns}")
+        if max_turn_tokens is not None and max_turn_tokens < 1:
+            raise ValueError(f"episodes.max_turn_tokens must be >= 1 or null, got {max_turn_tokens}")
+        if on_environment_error not in ("raise", "end"):
+            raise ValueError(f"episodes.on_environment_error must be raise or end, got {on_environment_error!r}")
+        self.environment = environment
+        self.max_turns = max_turns
+        self.max_turn_tokens = max_turn_tokens
+        self.on_environment_error = on_environment_error
+        if not 0 < turn_discount <= 1:
+            raise ValueError(f"episodes.turn_discount must be in (0, 1], got {turn_discount}")
+        self.turn_advantages = turn_advantages
+        self.turn_discount = turn_discount
+        self.renderer: Optional[ChatRenderer] = None
+        self.renderer_options = dict(system_prompt_for_tools=system_prompt_for_tools, end_of_turn=end_of_turn,
+                                     template_kwargs=template_kwargs)
+
+    def advantages(self, rewards: torch.Tensor, turn_rewards: list[list[float]], turn_of_token: torch.Tensor,
+                   group_size: int, scored: Optional[torch.Tensor]) -> torch.Tensor:
+        """GSPO-token's per-turn advantages (``turn_advantages``): ``rewards`` are the episodes'
+        totals, the reward functions' outcome plus the environment's turn rewards."""
+        outcome = rewards - torch.tensor([sum(r) for r in turn_rewards], dtype=rewards.dtype, device=rewards.device)
+        return turn_advantages(outcome, turn_rewards, turn_of_token, group_size, discount=self.turn_discount, scored=scored)
+
+    def start(self, tokenizer, prompt_length: Optional[int] = None, lockstep: Optional[Callable[[bool], bool]] = None) -> None:
+        """Build the chat renderer (once the tokenizer exists), with the environment's tools.
+
+        ``prompt_length``: the longest prompt the engines were sized for (``data.prompt_length``).
+        ``lockstep(done) -> all_done`` (``EngineSpec.lockstep``: a policy sharded over ranks):
+        an engine that samples from the sharded policy itself gathers its weights in every
+        ``generate``, a collective, so every rank must take as many turns (see
+        :func:`~gspo_lightning.rollout.episodes.run_episodes`)."""
+        self.renderer = ChatRenderer(tokenizer, self.environment.tools_schema, **self.renderer_options)
+        self.tokenizer = tokenizer
+        self.prompt_length = prompt_length
+        self.lockstep = lockstep
+
+
+def check_episode_objective(episodes: Optional[MultiTurn], importance_sampling: str, adv_estimator: str
+                            ) -> Optional[MultiTurn]:
+    """``episodes``, checked against the objective: per-turn advantages need token-level
+    advantages in the loss."""
+    if episodes is not None and episodes.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
+        raise ValueError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
+                         f"seq-token (GSPO-token) or token, and adv_estimator: grpo (got {importance_sampling}, "
+                         f"{adv_estimator})")
+    return episodes
+
+
+__all__ = ["MultiTurn", "check_episode_objective"]
