@@ -131,9 +131,9 @@ def test_ctrl_c_at_an_evaluation_step_then_resume_keeps_every_row_and_evaluation
 
 
 def test_unknown_keys_and_bad_values_are_one_line_naming_the_fix(tmp_path):
-    out = gspo("fit", "--config", QUICKSTART, "--model.clip_hihg=4e-4")
+    out = gspo("fit", "--config", QUICKSTART, "--model.update.ppo_epoks=2")
     assert out.returncode == 2
-    assert out.stderr.strip() == ("gspo: error: unknown key model.clip_hihg: did you mean model.clip_high? "
+    assert out.stderr.strip() == ("gspo: error: unknown key model.update.ppo_epoks: did you mean model.update.ppo_epochs? "
                                   "(gspo fit --help lists the keys)")
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(QUICKSTART).read_text().replace("  response_length: 6", "  response_lenght: 6"))

@@ -76,10 +76,17 @@ class GSPOCLI(LightningCLI):
         if args is None or isinstance(args, list):
             from gspo_lightning.run.flat_keys import translate_args
 
+            given = args
             args, note = translate_args(list(sys.argv[1:] if args is None else args))
             if note:
                 print(note, file=sys.stderr)
-        super().parse_arguments(parser, args)
+            elif given is None:
+                args = None  # nothing was old: parse sys.argv as Lightning does
+        import warnings
+
+        with warnings.catch_warnings():  # translated arguments are the command line's, not a second set
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            super().parse_arguments(parser, args)
 
     def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)

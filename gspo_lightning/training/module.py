@@ -262,9 +262,8 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
 
     def _rollout_source(self, max_staleness: int, fit: bool) -> RolloutSource:
         cfg = self.settings
-        root = getattr(self.trainer.strategy, "model", None)  # FSDP1 wraps the module around the policy
         source = rollout_source(
-            self.worker, lambda: engine_weights(self.policy, self.worker.engine.weights_format, root), self.device, self.sampling_seed,
+            self.worker, lambda: engine_weights(self.policy, self.worker.engine.weights_format), self.device, self.sampling_seed,
             max_staleness=max_staleness, stale_rollouts=cfg.asynchronous.stale_rollouts, datamodule=self.trainer.datamodule,
             dynamic_sampling_rounds=cfg.rollout.max_sampling_rounds if fit and cfg.rollout.dynamic_sampling else None,
             sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
