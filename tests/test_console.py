@@ -136,10 +136,10 @@ def test_unknown_keys_and_bad_values_are_one_line_naming_the_fix(tmp_path):
     assert out.stderr.strip() == ("gspo: error: unknown key model.update.ppo_epoks: did you mean model.update.ppo_epochs? "
                                   "(gspo fit --help lists the keys)")
     bad = tmp_path / "bad.yaml"
-    bad.write_text(Path(QUICKSTART).read_text().replace("  response_length: 6", "  response_lenght: 6"))
+    bad.write_text(Path(QUICKSTART).read_text().replace("    response_length: 6", "    response_lenght: 6"))
     out = gspo("fit", "--config", str(bad))
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "gspo: error: unknown key model.response_lenght: did you mean model.response_length? (gspo fit --help lists the keys)"]
+        "gspo: error: unknown key model.rollout.response_lenght: did you mean model.rollout.response_length? (gspo fit --help lists the keys)"]
     out = gspo("fit", "--config", QUICKSTART, "--trainer.max_steps=-5", f"--trainer.default_root_dir={tmp_path}")
     errors = [line for line in out.stderr.splitlines() if "error" in line]
     assert out.returncode == 2 and "Traceback" not in out.stderr

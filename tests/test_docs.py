@@ -56,7 +56,6 @@ def test_every_package_name_in_configs_and_docs_resolves():
     of a module must carry its docs along)."""
     import importlib
     import re
-    import warnings
 
     def resolves(dotted: str) -> bool:
         parts = dotted.split(".")
@@ -73,7 +72,5 @@ def test_every_package_name_in_configs_and_docs_resolves():
     files = [*ROOT.glob("configs/**/*.yaml"), *ROOT.glob("docs/**/*.md"), ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
     names = {(path.relative_to(ROOT), match) for path in files
              for match in re.findall(r"gspo_lightning(?:\.[A-Za-z_]\w*)+", path.read_text())}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # a doc may show an old path on purpose
-        missing = sorted(f"{path}: {name}" for path, name in names if not resolves(name))
+    missing = sorted(f"{path}: {name}" for path, name in names if not resolves(name))
     assert len(names) > 30 and not missing, missing

@@ -1,10 +1,8 @@
 """The package laid out by concern: every folder's public names resolve, the top level stays
-small, the files stay readable, and the old module paths are the moved modules."""
+small and the files stay readable (the folder order: tests/test_folder_order.py)."""
 
 import ast
-import contextlib
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -61,25 +59,3 @@ def test_objective_is_pure_tensor_code():
                 assert not name.startswith(("lightning", "transformers")), f"{path.name} imports {name}"
                 assert not name.startswith("gspo_lightning.") or name.startswith(
                     ("gspo_lightning.objective", "gspo_lightning._imports")), f"{path.name} imports {name}"
-
-
-@pytest.mark.parametrize("old, new", [
-    ("gspo_lightning.module", "gspo_lightning.training.module"),
-    ("gspo_lightning.loss", "gspo_lightning.objective.loss"),
-    ("gspo_lightning.evaluation", "gspo_lightning.objective.passk"),
-    ("gspo_lightning.gguf_models", "gspo_lightning.models.gguf"),
-    ("gspo_lightning.tasks", "gspo_lightning.data.tasks"),
-    ("gspo_lightning.tasks.echo", "gspo_lightning.data.tasks.echo"),
-    ("gspo_lightning.datasets", "gspo_lightning.data.datasets"),
-    ("gspo_lightning.loggers", "gspo_lightning.run.loggers"),
-    ("gspo_lightning.sampling", "gspo_lightning.rollout.sampling"),
-])
-def test_old_module_path_is_the_moved_module(old, new):
-    from gspo_lightning._imports import moved_target
-
-    # the first import of an old module says where it went, once (not again for its submodules)
-    head = ".".join(old.split(".")[:2])
-    first = head not in sys.modules
-    with pytest.warns(FutureWarning, match=f"{head} moved to {moved_target(head)}") if first else contextlib.nullcontext():
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)

@@ -27,19 +27,19 @@ model (the policy and how it samples)
   --model.model_name_or_path ID      hub id, folder, .gguf file or builtin:NAME
   --model.rewards LIST               reward functions: [{function: mymodule.score, weight: 1.0}]
   --model.engine CLASS               HFEngine (default), gspo_lightning.rollout.VLLMEngine, RemoteEngine
-  --model.dtype {float32,bfloat16,float16}
-  --model.num_return_sequences_in_group G   responses per prompt
-  --model.response_length T          most new tokens per response
-  --model.temperature, --model.top_p, --model.top_k
+  --model.policy.dtype {float32,bfloat16,float16}
+  --model.rollout.num_return_sequences_in_group G   responses per prompt
+  --model.rollout.response_length T  most new tokens per response
+  --model.rollout.temperature, --model.rollout.top_p, --model.rollout.top_k
 
 algorithm
-  --model.importance_sampling {seq,seq-token,token}   GSPO, GSPO-token, GRPO
-  --model.clip_low, --model.clip_high                  ratio clip (3e-4 / 4e-4 for GSPO)
-  --model.num_mini_batches N, --model.mini_batch_size  optimizer steps per rollout step
-  --model.adv_estimator {grpo,reinforce,rloo,dr_grpo}
-  --model.use_kl_loss, --model.kl_loss_coef
+  --model.objective.importance_sampling {seq,seq-token,token}   GSPO, GSPO-token, GRPO
+  --model.objective.policy_loss CLASS   PPOClip (default, GSPO's clip), SAPO, CISPO, GMPO or your own
+  --model.update.num_mini_batches N, --model.update.mini_batch_size   optimizer steps per rollout step
+  --model.advantages.adv_estimator {grpo,reinforce,rloo,dr_grpo}
+  --model.objective.use_kl_loss, --model.objective.kl_loss_coef
   --model.optimizer CLASS            e.g. torch.optim.AdamW, with --model.optimizer.init_args.lr=1e-5
-  --model.max_staleness K            asynchronous GSPO: generate K steps ahead (docs/async.md)
+  --model.asynchronous.max_staleness K   asynchronous GSPO: generate K steps ahead (docs/async.md)
 
 data
   --data.path PATH                   prompts: .jsonl, .parquet, a saved datasets folder, builtin:NAME
