@@ -103,7 +103,7 @@ def build_bench_model(vocab: str, size: str, folder: Path, seed: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from gspo_lightning.data.tasks.tiny import TinyModelSpec, build_config, build_tokenizer
+    from gspo_lightning.models.tiny import TinyModelSpec, build_config, build_tokenizer
 
     spec = TinyModelSpec(tokenizer="bpe", corpus="gsm8k", model_type="qwen2", max_position_embeddings=1024,
                          **VOCABS[vocab], **MODEL_SIZES[size])

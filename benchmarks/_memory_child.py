@@ -189,6 +189,9 @@ def main() -> None:
             precision="bf16-true" if run["precision"] == "bf16" else "32-true",
             default_root_dir=str(Path(args.out).parent),
         )
+        from gspo_lightning.run import attach_run_callbacks
+
+        attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
         trainer.fit(module, datamodule=data)
 
     steady = {}

@@ -202,6 +202,9 @@ def measure_case(name: str, model_dir: Path, out: Path, steps: int, dry: bool) -
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[StepCounter()], use_distributed_sampler=False,
                         precision="32-true" if dry else "bf16-true", default_root_dir=str(out.parent / "lightning"))
     start = time.perf_counter()
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     trainer.fit(module, datamodule=data)
     fit_seconds = time.perf_counter() - start
 

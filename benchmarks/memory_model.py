@@ -538,7 +538,7 @@ def build_check_model(folder: Path, shape: Shape = CHECK_SHAPE, seed: int = 1234
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.models.tiny import build_tokenizer, get_spec
 
     if (folder / "config.json").is_file():
         return folder

@@ -109,15 +109,16 @@ def clip_frac_tokens(micro) -> dict:
 
     from gspo_lightning.objective.loss import MAX_LOG_RATIO, log_importance_ratio
 
-    s = micro.settings
+    objective = micro.settings.objective
+    clip = objective.resolved  # PPOClip, its clip range filled in for the level
     valid = micro.mask.bool()
     zeros = torch.zeros_like(micro.logprobs)
     lp = torch.where(valid, micro.logprobs, zeros)
     old = torch.where(valid, micro.old_logprobs.to(lp.dtype), zeros)
     adv = micro.advantages[:, None].expand_as(lp) if micro.advantages.dim() == 1 else micro.advantages
-    ratio = torch.exp(log_importance_ratio(lp, old, micro.mask, s.importance_sampling).clamp(max=MAX_LOG_RATIO))
-    low = (ratio < 1.0 - s.clip_low) & (adv < 0) & valid
-    high = (ratio > 1.0 + s.clip_high) & (adv > 0) & valid
+    ratio = torch.exp(log_importance_ratio(lp, old, micro.mask, objective.importance_sampling).clamp(max=MAX_LOG_RATIO))
+    low = (ratio < 1.0 - clip.clip_low) & (adv < 0) & valid
+    high = (ratio > 1.0 + clip.clip_high) & (adv > 0) & valid
     tokens = valid.sum()
     return {"loss/clip_frac_tokens": ((low | high).sum() / tokens.clamp(min=1), tokens)}
 
@@ -270,6 +271,9 @@ def run_one(run: dict, work_dir: str) -> dict:
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the built-in plotter's print
         warnings.simplefilter("ignore")
         try:
+            from gspo_lightning.run import attach_run_callbacks
+
+            attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
             trainer.fit(module, datamodule=data)
         except NonFiniteError as err:  # a collapse is a result, not a crash of the experiment
             failure = f"step {len(history['reward/mean'])}: {err}"

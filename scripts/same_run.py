@@ -1,6 +1,6 @@
 """Does a change leave training exactly as it was? Runs the same ``gspo fit`` jobs with the code
 of a base commit and with the working tree, then compares the exported weights (bit for bit)
-and every logged value that is not a timing (``time/*``, ``perf/*``), row by row.
+and every logged value that is not a timing (``time/*``, ``perf/*``, ``cpu/*``), row by row.
 
     python scripts/same_run.py --base f571599                    # the quickstart and a 12-step async run
     python scripts/same_run.py --base HEAD~1 --jobs async --out runs/same_run
@@ -24,6 +24,7 @@ NO_BAR = ["--trainer.enable_progress_bar=false"]
 JOBS = {
     # the CPU quickstart as shipped: 150 steps, synchronous
     "quickstart": ["--config", "configs/quickstart.yaml"],
+    # (flat model keys: a base from before the config blocks reads them too, and today's maps them)
     # asynchronous: two steps generated ahead on a float32 engine copy, decoupled off-policy correction
     # and the clip budget on, another seed, evaluations every 5 steps
     "async": ["--config", "configs/quickstart.yaml", "--model.max_staleness=2",
@@ -31,7 +32,8 @@ JOBS = {
               "--model.off_policy.mode=decoupled", "--trainer.max_steps=12", "--seed_everything=7",
               "--trainer.val_check_interval=5"],
 }
-TIMING_PREFIXES = ("time/", "perf/")
+# timings, and the CPU-thread rule's trial (cpu/*: step times and other processes' load it measured)
+TIMING_PREFIXES = ("time/", "perf/", "cpu/")
 
 
 def run_job(tree: Path, job: str, out: Path) -> Path:
@@ -88,7 +90,7 @@ def main() -> None:
         for job in args.jobs:
             problems = compare(run_job(base_tree, job, out / "base"), run_job(ROOT, job, out / "head"))
             print(f"{job}: {'identical' if not problems else f'{len(problems)} differences'} "
-                  f"(base {commit} vs the working tree; weights bitwise, metrics.csv without time/ and perf/)")
+                  f"(base {commit} vs the working tree; weights bitwise, metrics.csv without time/, perf/ and cpu/)")
             for line in problems[:20]:
                 print("  " + line)
             failed |= bool(problems)

@@ -39,6 +39,9 @@ def fit(module, tmp_path, max_steps, rollout_batch_size=4, ckpt_path=None, **tra
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path, **trainer_kwargs,
     )
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)

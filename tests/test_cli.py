@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from gspo_lightning.cli import main
+from gspo_lightning.training.config import BLOCK_OF
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,9 +87,15 @@ def test_print_config_shows_every_roll_seed_key_with_its_value():
     result = run_gspo("fit", "--config", "configs/roll_gspo_example.yaml", "--print_config")
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
+    # the flat keys (the example keeps ROLL's spelling) land in their blocks, with ROLL's values
+    model = config["model"]
+    assert model["objective"]["policy_loss"]["init_args"]["dual_clip"] == 3.0  # dual_clip_loss: true, our constant
     for key, (section, value) in ROLL_SEED.items():
-        assert key in config[section], key
-        assert config[section][key] == value, (key, config[section][key], value)
+        if key == "dual_clip_loss":
+            continue
+        found = config[section] if section == "data" else model[BLOCK_OF[key]]
+        assert key in found, key
+        assert found[key] == value, (key, found[key], value)
 
 
 def test_unknown_key_fails_naming_it(tmp_path):

@@ -135,6 +135,10 @@ def test_unknown_keys_and_bad_values_are_one_line_naming_the_fix(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == ("gspo: error: unknown key model.update.ppo_epoks: did you mean model.update.ppo_epochs? "
                                   "(gspo fit --help lists the keys)")
+    out = gspo("fit", "--config", QUICKSTART, "--model.clip_hihg=4e-4")  # a flat key of earlier releases, misspelled
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("gspo: error: unknown key model.clip_hihg: did you mean model.clip_high? "
+                                  "(gspo fit --help lists the keys)")
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(QUICKSTART).read_text().replace("    response_length: 6", "    response_lenght: 6"))
     out = gspo("fit", "--config", str(bad))
@@ -190,7 +194,7 @@ def test_help_says_what_gspo_is_and_fit_help_is_short_fast_and_true(tmp_path):
 def test_a_slow_step_prints_its_phase_every_interval_and_as_each_phase_starts(capsys):
     """The line display's clock (a thread, once a second), driven by hand: a step running for
     longer than interval_s gets a line with its phase; after a slow step, each new phase its line."""
-    from gspo_lightning.run.phases import PHASES
+    from gspo_lightning.rollout.phases import PHASES
     from gspo_lightning.run.progress import LineProgressBar
 
     bar = LineProgressBar(interval_s=30)
@@ -364,7 +368,7 @@ def test_progress_lines_every_tenth_of_the_run_or_every_interval():
 
 
 def test_a_phase_describes_itself():
-    from gspo_lightning.run.phases import Phase
+    from gspo_lightning.rollout.phases import Phase
 
     assert Phase("log-probs", 0.0).describe() == "log-probs"
     assert Phase("update", 0.0, done=3, total=4, unit="optimizer steps").describe() == "update 3/4 optimizer steps"

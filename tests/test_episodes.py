@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gspo_lightning.data.tasks.lookup import LookupEnvironment, lookup_answer_reward, lookup_call_reward, make_rows
-from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+from gspo_lightning.models.tiny import build_tokenizer, get_spec
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.messages import StepResult
 from gspo_lightning.episodes.multi_turn import MultiTurn

@@ -128,7 +128,7 @@ class VersionedEngine(ScriptedEngine):
 def test_an_episode_whose_turns_saw_other_weights_is_as_old_as_its_oldest_turn():
     """A push between turns (rank 0 pushing to a server another rank samples from) gives turns of two
     versions: the rollout's version, and so its lag and its off-policy correction, is the older."""
-    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.models.tiny import build_tokenizer, get_spec
     from gspo_lightning.episodes.multi_turn import MultiTurn
     from gspo_lightning.rollout.episodes import run_episodes
     from gspo_lightning.rollout.engine import SamplingParams
@@ -220,7 +220,7 @@ def test_async_episodes_from_a_rollout_server(tmp_path):
 # -- 4. dynamic sampling ----------------------------------------------------------------------------
 def episode_rollout(script, rewards, tag):
     """A rollout of two lookup episodes (one group) from scripted turns, as the worker builds it."""
-    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.models.tiny import build_tokenizer, get_spec
     from gspo_lightning.episodes.multi_turn import MultiTurn
     from gspo_lightning.rollout.episodes import run_episodes
     from gspo_lightning.rollout.engine import SamplingParams
@@ -292,7 +292,7 @@ def test_ranks_of_a_sharded_policy_take_every_turn_together():
     """With a lockstep (a sharded policy sampled in place) a rank whose episodes ended samples a
     stand-in turn while another rank goes on, and every turn asks for the whole budget; the
     episodes are the ones the free loop makes (tests/test_distributed.py runs it on 2 ranks)."""
-    from gspo_lightning.data.tasks.tiny import build_tokenizer, get_spec
+    from gspo_lightning.models.tiny import build_tokenizer, get_spec
     from gspo_lightning.episodes.multi_turn import MultiTurn
     from gspo_lightning.rollout.episodes import run_episodes
     from gspo_lightning.rollout.engine import SamplingParams

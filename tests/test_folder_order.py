@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gspo_lightning"
 ORDER = [("objective", "rewards"), ("models",), ("data",), ("episodes",), ("rollout",), ("training",), ("run",), ("cli",)]
@@ -25,7 +24,6 @@ BASE = "base"  # errors.py, _imports.py, __init__.py at the top: below every fol
 ALLOWED_BACK = 1
 # still imported by training/module.py until the run's callbacks write the records and the export
 # (run/callbacks.py: attach_run_callbacks) and the module drops configure_callbacks and those calls
-PENDING = ("gspo_lightning/training/module.py", "run")
 
 
 @dataclass(frozen=True)
@@ -38,10 +36,6 @@ class Arrow:
     def back(self) -> bool:
         """Up the order, or between the two folders of one rank."""
         return RANK[self.target] >= RANK[self.source]
-
-    @property
-    def pending(self) -> bool:
-        return self.where.split(":")[0] == PENDING[0] and self.target == PENDING[1]
 
 
 def folder_of(module: str) -> str:
@@ -134,24 +128,15 @@ def test_the_scan_sees_every_kind_of_import():
 
 def test_the_folders_form_no_import_cycle():
     found = arrows()
-    settled = cycles([a for a in found if not a.pending])
-    assert not settled, "folders that import each other: " + "; ".join(" <-> ".join(c) for c in settled) + "\n" + \
-        listing([a for a in found if any(a.source in c and a.target in c for c in settled)])
-    if cycles(found):
-        pytest.xfail("training/module.py still imports run/ (a cycle training <-> run) until the module's eval records, "
-                     "export and configure_callbacks move to run/'s callbacks:\n" + listing([a for a in found if a.pending]))
+    circles = cycles(found)
+    assert not circles, "folders that import each other: " + "; ".join(" <-> ".join(c) for c in circles) + "\n" + \
+        listing([a for a in found if any(a.source in c and a.target in c for c in circles)])
 
 
 def test_at_most_one_import_runs_back_up_the_order():
     back = [a for a in arrows() if a.back]
-    settled = [a for a in back if not a.pending]
-    assert len(settled) <= ALLOWED_BACK, f"{len(settled)} imports run back up the folders' order " \
-        f"({' <- '.join('/'.join(f) for f in ORDER)}), at most {ALLOWED_BACK}:\n{listing(settled)}"
-    pending = [a for a in back if a.pending]
-    if pending:
-        pytest.xfail("training/module.py still imports run/ until the module's eval records, export and "
-                     "configure_callbacks move to run/'s callbacks (run/callbacks.py: attach_run_callbacks):\n"
-                     + listing(pending))
+    assert len(back) <= ALLOWED_BACK, f"{len(back)} imports run back up the folders' order " \
+        f"({' <- '.join('/'.join(f) for f in ORDER)}), at most {ALLOWED_BACK}:\n{listing(back)}"
 
 
 def test_the_tiny_models_read_the_shipped_corpus_without_importing_data():

@@ -51,15 +51,16 @@ def test_gpu_recipe_parses():
                              "--print_config"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
-    assert config["model"]["importance_sampling"] == "seq" and config["model"]["engine"]["class_path"] == "gspo_lightning.rollout.VLLMEngine"
+    assert config["model"]["objective"]["importance_sampling"] == "seq" and config["model"]["engine"]["class_path"] == "gspo_lightning.rollout.VLLMEngine"
     # the comments say what the run is: max_steps counts rollout steps, each of
     # rollout_batch_size x G / mini_batch_size optimizer steps (x ppo_epochs)
     text = (ROOT / "configs" / "gsm8k_qwen3.yaml").read_text()
     steps, minis, optimizer_steps = map(int, re.search(
         r"max_steps: (\d+) +# rollout steps \(x (\d+) mini-batches = (\d+) optimizer steps\)", text).groups())
     model, data = config["model"], config["data"]
-    per_rollout = data["rollout_batch_size"] * model["num_return_sequences_in_group"] // model["mini_batch_size"]
-    assert (steps, minis, optimizer_steps) == (config["trainer"]["max_steps"], per_rollout * model["ppo_epochs"], steps * minis)
+    rollout, update = model["rollout"], model["update"]
+    per_rollout = data["rollout_batch_size"] * rollout["num_return_sequences_in_group"] // update["mini_batch_size"]
+    assert (steps, minis, optimizer_steps) == (config["trainer"]["max_steps"], per_rollout * update["ppo_epochs"], steps * minis)
     interval, interval_optimizer_steps = map(int, re.search(
         r"every_n_train_steps: (\d+) +# rollout steps \((\d+) optimizer steps\)", text).groups())
     assert interval == config["checkpoint"]["every_n_train_steps"] and interval_optimizer_steps == interval * minis

@@ -198,6 +198,9 @@ def test_trains_with_engine_logprobs_as_old_and_logs_the_mismatch(tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[Collect()])
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first-mini-batch clip warning is expected here
         trainer.fit(module, datamodule=data)

@@ -120,6 +120,9 @@ def fit(module, folder, max_steps, ckpt_path=None, seed=11, **trainer_kwargs):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                         limit_val_batches=0, default_root_dir=folder, **trainer_kwargs)
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)

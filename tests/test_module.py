@@ -136,6 +136,9 @@ def test_engine_mismatch_that_clips_before_any_update_is_logged_and_warned(tmp_p
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, default_root_dir=tmp_path)
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     with pytest.warns(UserWarning, match="clipped before any update.*engine/trainer mismatch") as record:
         trainer.fit(module, datamodule=data)
     assert sum("clipped before any update" in str(w.message) for w in record) == 1  # once per run
@@ -230,8 +233,9 @@ def test_token_sized_clip_on_sequence_ratios_warns():
 
 
 def test_clip_defaults_follow_the_ratio_level():
-    assert (make_module().clip_low, make_module().clip_high) == (3e-4, 4e-4)
-    token = make_module(importance_sampling="token")
+    seq = make_module().settings.objective.resolved
+    assert (seq.clip_low, seq.clip_high) == (3e-4, 4e-4)
+    token = make_module(importance_sampling="token").settings.objective.resolved
     assert (token.clip_low, token.clip_high) == (0.2, 0.27)
 
 
@@ -263,6 +267,9 @@ def test_zeroed_reward_errors_are_counted_and_shown_on_the_console(tmp_path):
     data = PromptDataModule(path="builtin:echo", tokenizer="builtin:tiny-echo", rollout_batch_size=4, prompt_length=8, val_size=8)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     with pytest.warns(UserWarning, match=r"step 1: 16 response\(s\) scored 0 because a reward function failed"):
         trainer.fit(module, datamodule=data)
     assert float(trainer.callback_metrics["reward/errors"]) == 16

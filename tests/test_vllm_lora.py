@@ -140,6 +140,9 @@ def test_a_lora_run_with_vllm_rollouts_pushes_adapters_and_samples_from_them(tmp
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                         limit_val_batches=0, default_root_dir=tmp_path, enable_checkpointing=False, callbacks=[watch])
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, datamodule=data)
@@ -156,7 +159,7 @@ def test_a_lora_run_with_vllm_rollouts_pushes_adapters_and_samples_from_them(tmp
 def test_a_vllm_rollout_server_serves_pushed_adapters(tmp_path):
     """A rollout server hosting vLLM, adapters pushed alone over the folder transport: the
     server's engine serves them as a ``LoRARequest``; its log-probs are the trainer's."""
-    from gspo_lightning.data.tasks.tiny import save_tiny
+    from gspo_lightning.models.tiny import save_tiny
     from gspo_lightning.models.loading import load_policy, load_tokenizer
     from gspo_lightning.rollout import RemoteEngine
     from gspo_lightning.rollout.hf import left_pad

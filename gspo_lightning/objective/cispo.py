@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units, log1p_bounds
+from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units, check_non_negative, log1p_bounds
 
 
 class CISPO(PolicyObjective):
@@ -26,9 +26,7 @@ class CISPO(PolicyObjective):
     LEGACY_KEYS: ClassVar[dict[str, str]] = {"clip_low": "clip_low", "clip_high": "clip_high"}
 
     def __init__(self, clip_low: float = 1.0, clip_high: float = 4.0):
-        for key, value in (("clip_low", clip_low), ("clip_high", clip_high)):
-            if not value >= 0:
-                raise ValueError(f"{key} must be >= 0, got {value}")
+        check_non_negative(clip_low=clip_low, clip_high=clip_high)
         self.clip_low, self.clip_high = clip_low, clip_high
 
     def unit_loss(self, logprobs: Tensor, old_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor,

@@ -7,7 +7,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units, masked_sequence_mean
+from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units, check_non_negative, masked_sequence_mean
 
 
 class GMPO(PolicyObjective):
@@ -27,9 +27,7 @@ class GMPO(PolicyObjective):
     LEGACY_KEYS: ClassVar[dict[str, str]] = {"clip_low": "clip_low", "clip_high": "clip_high"}
 
     def __init__(self, clip_low: float = 0.4, clip_high: float = 0.4):
-        for key, value in (("clip_low", clip_low), ("clip_high", clip_high)):
-            if not value >= 0:
-                raise ValueError(f"{key} must be >= 0, got {value}")
+        check_non_negative(clip_low=clip_low, clip_high=clip_high)
         self.clip_low, self.clip_high = clip_low, clip_high
 
     def level_problem(self, importance_sampling: str) -> Optional[str]:

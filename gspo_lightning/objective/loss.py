@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 from torch import Tensor
 
-from gspo_lightning._imports import import_callable
+from gspo_lightning._imports import import_object
 from gspo_lightning.objective.cispo import CISPO
 from gspo_lightning.objective.gmpo import GMPO
 from gspo_lightning.objective.options import ImportanceSampling, KLEstimator, LossAggMode, check_choice, choices
@@ -47,7 +47,7 @@ def make_objective(spec: Union[str, dict, PolicyObjective, None]) -> PolicyObjec
                              f"your own: {{class_path: package.module.Class, init_args: {{...}}}}")
         return OBJECTIVES[spec]()
     if isinstance(spec, dict) and "class_path" in spec:
-        cls = import_callable(spec["class_path"], "policy objective")
+        cls = import_object(spec["class_path"], "policy objective")
         if not (isinstance(cls, type) and issubclass(cls, PolicyObjective)):
             raise ValueError(f"policy objective {spec['class_path']!r} is not a subclass of "
                              f"gspo_lightning.objective.PolicyObjective")
@@ -61,13 +61,20 @@ def objective_spec(objective: PolicyObjective) -> dict[str, Any]:
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": objective.settings()}
 
 
-def objective_from_keywords(policy_loss_type: str, keywords: dict[str, Any]) -> PolicyObjective:
+def objective_from_keywords(policy_loss_type: str, keywords: dict[str, Any], *, strict: bool = False) -> PolicyObjective:
     """The objective named ``policy_loss_type`` from the flat keywords of earlier releases
-    (``clip_low``, ``dual_clip``, ``sapo_tau_pos``...): each class takes those it has (``LEGACY_KEYS``)."""
+    (``clip_low``, ``dual_clip``, ``sapo_tau_pos``...): each class takes those it has (``LEGACY_KEYS``).
+    ``strict``: a keyword it does not have, set to a value, is an error (a config's); else ignored."""
     if policy_loss_type not in OBJECTIVES:
         raise ValueError(f"policy_loss_type must be one of {', '.join(map(repr, OBJECTIVES))}; got {policy_loss_type!r}")
     cls = OBJECTIVES[policy_loss_type]
-    return cls(**{cls.LEGACY_KEYS[key]: value for key, value in keywords.items() if key in cls.LEGACY_KEYS})
+    unknown = [key for key, value in keywords.items() if value is not None and key not in cls.LEGACY_KEYS]
+    if strict and unknown:
+        raise ValueError(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a setting of the "
+                         f"{policy_loss_type} objective (its keys: {', '.join(cls.LEGACY_KEYS) or 'none'}): unset "
+                         f"{' and '.join(unknown)} or choose another policy_loss_type")
+    return cls(**{cls.LEGACY_KEYS[key]: value for key, value in keywords.items()
+                  if key in cls.LEGACY_KEYS and (value is not None or not strict)})
 
 
 def policy_loss(

@@ -180,6 +180,13 @@ class PolicyObjective:
     __hash__ = None  # type: ignore[assignment]
 
 
+def check_non_negative(**settings: Optional[float]) -> None:
+    """A ``ValueError`` naming the first setting below 0 (``None``: unset, left to a default)."""
+    for key, value in settings.items():
+        if value is not None and not value >= 0:
+            raise ValueError(f"{key} must be >= 0, got {value}")
+
+
 def plain_class(objective: PolicyObjective) -> type[PolicyObjective]:
     """The objective's own class (not the config parser's lazy-instance wrapper around it)."""
     return next(cls for cls in type(objective).__mro__ if not cls.__name__.startswith(("LazyInstance_", "_LazyInit")))
@@ -190,4 +197,4 @@ def log1p_bounds(clip_low: float, clip_high: float) -> tuple[float, float]:
     return math.log1p(clip_high), math.log1p(-clip_low) if clip_low < 1 else -math.inf
 
 
-__all__ = ["Bound", "MAX_LOG_RATIO", "PolicyObjective", "Units", "log1p_bounds", "plain_class"]
+__all__ = ["Bound", "MAX_LOG_RATIO", "PolicyObjective", "Units", "check_non_negative", "log1p_bounds", "plain_class"]

@@ -7,6 +7,7 @@ from gspo_lightning._imports import lazy_exports
 EXPORTS = {
     **dict.fromkeys(["EngineSpec", "Generation", "RolloutEngine", "SamplingParams"], "engine"),
     "HFEngine": "hf",
+    **dict.fromkeys(["PHASES", "Phase", "PhaseTracker"], "phases"),
     "HFCopyEngine": "hf_copy",
     "RemoteEngine": "remote",
     "VLLMEngine": "vllm",

@@ -153,6 +153,7 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
     batch.generation.weights_version = min(reported) if reported else None
     return batch
 
+
 def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generation, budget: int) -> None:
     lengths = generation.lengths.tolist()
     for row, episode in enumerate(live):
@@ -195,6 +196,7 @@ def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generatio
             continue
         episode.add_environment(reply)
         episode.messages += [dict(m) for m in result.messages]
+
 
 def _batch(multi_turn: MultiTurn, episodes: list[Episode], group_size: int, engine: RolloutEngine) -> EpisodeBatch:
     pad = multi_turn.tokenizer.pad_token_id if multi_turn.tokenizer.pad_token_id is not None else 0

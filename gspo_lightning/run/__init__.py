@@ -7,7 +7,6 @@ from gspo_lightning._imports import lazy_exports
 EXPORTS = {
     **dict.fromkeys(["CSVLogger", "TensorBoardLogger"], "loggers"),
     **dict.fromkeys(["StepProgressBar", "RichStepProgressBar", "LineProgressBar"], "progress"),
-    **dict.fromkeys(["PHASES", "PhaseTracker"], "phases"),
     **dict.fromkeys(["RunSummary", "RichRunSummary"], "summary"),
     **dict.fromkeys(["TrainingCurves", "plot_history"], "plotting"),
     **dict.fromkeys(["PreemptionCheckpoint", "Preempted"], "preemption"),

@@ -1,13 +1,10 @@
 """The callbacks every GSPO run gets: CPU threads chosen from the run's own first steps,
-training curves, held-out results on the console, the preemption checkpoint, and the
-project's progress bar and run summary in place of Lightning's of the same kind; with
-:func:`attach_run_callbacks`, also the run files the module wrote itself before
-(``eval_results.jsonl``, the ``hf_model`` export at the end of ``fit``), so that training/
-imports nothing from run/.
-
-Today ``GSPOModule.configure_callbacks`` returns :func:`run_callbacks` (whatever built the
-trainer). :func:`attach_run_callbacks` is what the ``gspo`` command (or a script building its
-own ``Trainer``) calls instead, once the module no longer writes the records and the export."""
+training curves, held-out results on the console and in ``eval_results.jsonl``, the preemption
+checkpoint, the ``hf_model`` export at the end of ``fit``, and the project's progress bar and run
+summary in place of Lightning's of the same kind. The run reaches training through these
+callbacks, so training/ imports nothing from run/: the ``gspo`` command calls
+:func:`attach_run_callbacks` on the trainer it builds, and a script building its own ``Trainer``
+does the same (``gspo_lightning.run.attach_run_callbacks(trainer)``) before ``fit``."""
 
 from __future__ import annotations
 
@@ -16,9 +13,8 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelSummary
 
 
-def run_callbacks(trainer, *, records_and_export: bool = False) -> list[Callback]:
-    """The run's callbacks for ``trainer``; ``records_and_export``: with :class:`EvalRecords` and
-    :class:`ExportOnFitEnd` (off while ``GSPOModule`` still writes both itself)."""
+def run_callbacks(trainer) -> list[Callback]:
+    """The run's callbacks for ``trainer``."""
     from gspo_lightning.run.cpu_threads import CPUThreads
     from gspo_lightning.run.plotting import TrainingCurves
     from gspo_lightning.run.preemption import PreemptionCheckpoint
@@ -30,17 +26,16 @@ def run_callbacks(trainer, *, records_and_export: bool = False) -> list[Callback
     # replace Lightning's bar and table (epochs, FLOPs) by ours, of the same kind; a disabled one stays off
     extra = [step_progress_bar(trainer.progress_bar_callback), run_summary(summaries[0] if summaries else None)]
     # the export last: after the curves and the held-out summary, as the module's own on_fit_end ran
-    owned = [EvalRecords(), ExportOnFitEnd()] if records_and_export else []
     return [CPUThreads(), TrainingCurves(), HeldOutResults(), PreemptionCheckpoint(), *(c for c in extra if c is not None),
-            *owned]
+            EvalRecords(), ExportOnFitEnd()]
 
 
 def attach_run_callbacks(trainer) -> list[Callback]:
-    """Add the run's callbacks (:func:`run_callbacks` with the records and the export) to a built
+    """Add the run's callbacks (:func:`run_callbacks`) to a built
     ``trainer``, as Lightning attaches a module's ``configure_callbacks``: each replaces the
     trainer's callbacks of a class it derives from (Lightning's bar and summary; ours from an
     earlier call), checkpoint callbacks stay last. Returns the callbacks added."""
-    ours = run_callbacks(trainer, records_and_export=True)
+    ours = run_callbacks(trainer)
     replaced = {type(c) for c in trainer.callbacks
                 if type(c) is not Callback and any(isinstance(o, type(c)) for o in ours)}
     kept = [c for c in trainer.callbacks if type(c) not in replaced]

@@ -114,7 +114,7 @@ class GSPOCLI(LightningCLI):
         trainer = {**config.get("trainer", {}), **kwargs}
         callbacks = trainer.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        # our bar and summary from the start (Lightning's would be replaced by configure_callbacks,
+        # our bar and summary from the start (Lightning's would be replaced by attach_run_callbacks,
         # with a message saying so): step bar in a terminal, plain lines in a log
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(progress_bar_for())
@@ -135,7 +135,11 @@ class GSPOCLI(LightningCLI):
             raise ValueError("export: best keeps the best evaluation's weights as a checkpoint: it needs "
                              "trainer.enable_checkpointing (or set --export=last)")
         kwargs["callbacks"] = callbacks
-        return super().instantiate_trainer(**kwargs)
+        from gspo_lightning.run.callbacks import attach_run_callbacks
+
+        trainer = super().instantiate_trainer(**kwargs)
+        attach_run_callbacks(trainer)  # the run's callbacks: threads, curves, results, records, export
+        return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
         existing = {Path(d) for d in self._log_dirs()}
@@ -211,19 +215,17 @@ def continue_log_versions(loggers, ckpt_path: str) -> None:
         return  # Lightning reports a missing checkpoint itself
     # mmap: reads only the small "gspo" entry of what may be a large file
     saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("gspo", {}).get("loggers", [])
-    import importlib
-
     from jsonargparse import Namespace
     from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 
+    from gspo_lightning._imports import import_object
     from gspo_lightning.run.loggers import CSVLogger as ContinuingCSVLogger
 
     for entry in loggers if isinstance(loggers, list) else [loggers]:
         args = getattr(entry, "init_args", None)
         if not isinstance(entry, Namespace) or args is None or args.get("version") is not None:
             continue
-        module, _, name = entry.class_path.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)  # a re-exported class has another path
+        cls = import_object(entry.class_path, "logger")  # a re-exported class has another path
         if issubclass(cls, LightningCSVLogger) and not issubclass(cls, ContinuingCSVLogger):
             continue  # Lightning's own CSVLogger deletes the metrics.csv of an existing version
         class_name = f"{cls.__module__}.{cls.__qualname__}"
@@ -244,8 +246,7 @@ def current_class_path(class_path: str) -> str:
 
 # Lightning's messages that say nothing to a GSPO run's user: an advertisement, and the notes
 # that our progress bar and summary replaced Lightning's
-QUIET_INFO = ("💡 Tip:", "Trainer already configured with model summary callbacks",
-              "The following callbacks returned in `LightningModule.configure_callbacks` will override")
+QUIET_INFO = ("💡 Tip:", "Trainer already configured with model summary callbacks")
 
 
 def quiet_lightning_info() -> None:

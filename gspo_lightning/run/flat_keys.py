@@ -13,7 +13,7 @@ from typing import Optional
 
 import yaml
 
-from gspo_lightning.training.config import BLOCK_OF, OBJECTIVE_KEYS, nest_flat_keys, rename_note
+from gspo_lightning.training.config import BLOCK_OF, OBJECTIVE_KEYS, nest_flat_keys, objective_spelling, rename_note
 
 
 def translate_args(args: list[str]) -> tuple[list[str], Optional[str]]:
@@ -47,7 +47,7 @@ def translate_args(args: list[str]) -> tuple[list[str], Optional[str]]:
             out.extend(args[index - width:index])
     if flat_objective:
         out[objective_at:objective_at] = _objective_args(flat_objective)
-        renames += [(key, "objective.policy_loss") for key in flat_objective]
+        renames += [(key, objective_spelling(key)) for key in flat_objective]
     return out, rename_note(renames) if renames else None
 
 

@@ -20,10 +20,6 @@ from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-# what a checkpoint keeps of each logger, to resume into the same folder: written by the module's
-# checkpoint hooks (training/ imports nothing from run/), read back here by the gspo command
-from gspo_lightning.training.checkpointing import logger_identity  # noqa: F401 - importable from here as before
-
 
 class _ContinuingWriter(ExperimentWriter):
     def _check_log_dir_exists(self) -> None:
@@ -76,4 +72,4 @@ class TensorBoardLogger(LightningTensorBoardLogger):
                          log_graph=log_graph, default_hp_metric=default_hp_metric, prefix=prefix, sub_dir=sub_dir, **kwargs)
 
 
-__all__ = ["CSVLogger", "TensorBoardLogger", "logger_identity"]
+__all__ = ["CSVLogger", "TensorBoardLogger"]

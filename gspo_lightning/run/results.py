@@ -177,5 +177,5 @@ def best_checkpoint(trainer) -> Optional[BestCheckpoint]:
     return next((c for c in trainer.callbacks if isinstance(c, BestCheckpoint)), None)
 
 
-__all__ = ["BestCheckpoint", "EvalRecords", "HeldOutResults", "best_checkpoint", "counts_as_evaluation", "eval_step",
+__all__ = ["BestCheckpoint", "EvalRecords", "HeldOutResults", "best_checkpoint", "counts_as_evaluation",
            "format_results"]

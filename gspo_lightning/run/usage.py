@@ -69,6 +69,14 @@ def closest_key(key: str, keys: list[str]) -> Optional[str]:
     return names[match[0]] if match else None
 
 
+def flat_model_keys() -> list[str]:
+    """The flat ``model.*`` keys of earlier releases: still accepted (``run/flat_keys.py``), so a
+    misspelling of one is answered with it."""
+    from gspo_lightning.training.config import BLOCK_OF, OBJECTIVE_KEYS
+
+    return [f"model.{key}" for key in (*BLOCK_OF, *OBJECTIVE_KEYS)]
+
+
 def short_message(err: UsageError, command: str = "fit") -> str:
     """One line for a refused command line: the unknown key and the closest valid one, or the
     parser's own message with its lines joined."""
@@ -77,7 +85,7 @@ def short_message(err: UsageError, command: str = "fit") -> str:
         found = pattern.search(message)
         if found:
             key = found.group(1).split("=", 1)[0]
-            suggestion = closest_key(key, known_keys(err.parser))
+            suggestion = closest_key(key, known_keys(err.parser) + flat_model_keys())
             hint = f": did you mean {suggestion}?" if suggestion else ""
             return f"unknown key {key}{hint} (gspo {command} --help lists the keys)"
     return " ".join(line.strip() for line in message.splitlines() if line.strip())

@@ -10,7 +10,7 @@ EXPORTS = {
     "StrategyOps": "strategy_ops",
     "LossScaling": "loss_scaling",
     **dict.fromkeys(["GradientSync", "all_reduce_sum", "all_ranks_true", "clip_grad_norm"], "distributed"),
-    **dict.fromkeys(["fully_shard_causal_lm", "gathered"], "sharding"),
+    "fully_shard_causal_lm": "sharding",
     **dict.fromkeys(["loss_mask", "micro_batches", "rows_with_advantage"], "row_filters"),
     **dict.fromkeys(["response_logprobs", "token_logprobs"], "logprobs"),
     **dict.fromkeys(["StepMetrics", "record_rollout"], "metrics"),

@@ -10,12 +10,12 @@ the one place that knows them.
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 from gspo_lightning.models.settings import Policy
 from gspo_lightning.objective.advantages import GROUP_ESTIMATORS, Advantages
-from gspo_lightning.objective.loss import OBJECTIVES, objective_spec
+from gspo_lightning.objective.loss import objective_from_keywords, objective_spec
 from gspo_lightning.objective.passk import Evaluation
 from gspo_lightning.objective.settings import Objective
 from gspo_lightning.rollout.settings import Asynchronous, RolloutSettings
@@ -37,7 +37,9 @@ DEFAULT_DUAL_CLIP = 3.0  # what dual_clip_loss: true meant without a dual_clip
 def nest_flat_keys(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """``model``'s keys with every flat key moved into its block: ``(nested, [(old, new), ...])``.
     Keys already in blocks pass through; an objective key its objective does not have is an error."""
-    nested = {key: value for key, value in model.items() if key not in BLOCK_OF and key not in OBJECTIVE_KEYS}
+    # blocks copied: the flat keys go into them, not into the caller's dicts
+    nested = {key: dict(value) if isinstance(value, dict) else value
+              for key, value in model.items() if key not in BLOCK_OF and key not in OBJECTIVE_KEYS}
     renames = []
     for key, value in model.items():
         if key in BLOCK_OF:
@@ -50,8 +52,24 @@ def nest_flat_keys(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[st
     if flat_objective:
         objective = nested.setdefault("objective", {})
         objective["policy_loss"] = objective_from_flat_keys(flat_objective)
-        renames += [(key, "objective.policy_loss") for key in flat_objective]
+        renames += [(key, objective_spelling(key)) for key in flat_objective]
     return nested, renames
+
+
+def with_flat_keys(blocks: dict[str, Any], flat_keys: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``blocks`` (name -> a block, its fields as a dict, or None) with ``flat_keys`` written into
+    them: ``(blocks, [(old, new), ...])``. A key that is neither flat nor a block is a ``TypeError``,
+    as an unknown keyword argument is."""
+    nested, renames = nest_flat_keys(flat_keys)
+    unknown = sorted(set(nested) - set(BLOCKS))
+    if unknown:
+        raise TypeError(f"GSPOModule got unexpected keyword argument(s) {', '.join(unknown)}")
+    out = dict(blocks)
+    for name, values in nested.items():
+        base = out.get(name)
+        base = {f.name: getattr(base, f.name) for f in fields(base)} if is_dataclass(base) else dict(base or {})
+        out[name] = {**base, **values}
+    return out, renames
 
 
 def objective_from_flat_keys(keys: dict[str, Any]) -> dict[str, Any]:
@@ -59,18 +77,20 @@ def objective_from_flat_keys(keys: dict[str, Any]) -> dict[str, Any]:
     ``clip_high``, ``dual_clip_loss`` / ``dual_clip`` and ``sapo_tau_pos`` / ``sapo_tau_neg``."""
     keys = dict(keys)
     name = keys.pop("policy_loss_type", None) or "ppo"
-    if name not in OBJECTIVES:
-        raise ValueError(f"policy_loss_type must be one of {', '.join(map(repr, OBJECTIVES))}; got {name!r}")
     dual_on, dual = keys.pop("dual_clip_loss", False), keys.pop("dual_clip", None)
     if dual_on:  # the dual clip acted only with dual_clip_loss: true, with dual_clip's value (3 by default)
         keys["dual_clip"] = DEFAULT_DUAL_CLIP if dual is None else dual
-    cls = OBJECTIVES[name]
-    unknown = [key for key, value in keys.items() if value is not None and key not in cls.LEGACY_KEYS]
-    if unknown:
-        own = ", ".join(cls.LEGACY_KEYS) or "none"
-        raise ValueError(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a setting of the {name} "
-                         f"objective (its keys: {own}): unset {' and '.join(unknown)} or choose another policy_loss_type")
-    return objective_spec(cls(**{cls.LEGACY_KEYS[key]: value for key, value in keys.items() if value is not None}))
+    return objective_spec(objective_from_keywords(name, keys, strict=True))
+
+
+def objective_spelling(flat_key: str) -> str:
+    """Where a flat objective key lives now: the class of ``objective.policy_loss``, or one of its arguments."""
+    from gspo_lightning.objective.loss import OBJECTIVES
+
+    if flat_key == "policy_loss_type":
+        return "objective.policy_loss (its class: PPOClip, SAPO, CISPO or GMPO)"
+    argument = {"dual_clip_loss": "dual_clip", **{k: v for cls in OBJECTIVES.values() for k, v in cls.LEGACY_KEYS.items()}}
+    return f"objective.policy_loss.init_args.{argument[flat_key]}"
 
 
 def rename_note(renames: list[tuple[str, str]], where: str = "model") -> str:
@@ -102,8 +122,6 @@ def check_config(*, policy: Policy, rollout: RolloutSettings, evaluation: Evalua
     for surprise in (objective.policy_loss.surprises(importance_sampling=objective.importance_sampling)
                      + advantages.surprises() + asynchronous.surprises(old_logprobs=objective.old_logprobs)):
         warnings.warn(surprise, stacklevel=4)
-
-
 
 
 @dataclass
@@ -142,4 +160,5 @@ def _as_block(cls: type, value: Any) -> Any:
     return cls(**value) if isinstance(value, dict) else value
 
 
-__all__ = ["BLOCKS", "BLOCK_OF", "ModuleSettings", "OBJECTIVE_KEYS", "check_config", "nest_flat_keys", "objective_from_flat_keys", "rename_note"]
+__all__ = ["BLOCKS", "BLOCK_OF", "ModuleSettings", "OBJECTIVE_KEYS", "check_config", "nest_flat_keys", "objective_from_flat_keys", "objective_spelling", "rename_note",
+           "with_flat_keys"]

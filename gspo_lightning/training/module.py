@@ -24,7 +24,6 @@ import dataclasses
 import os
 import time
 import warnings
-from pathlib import Path
 from typing import Optional
 
 import lightning as L
@@ -52,21 +51,18 @@ from gspo_lightning.rollout.settings import Asynchronous, RolloutSettings
 from gspo_lightning.rollout.source import RolloutSource, rollout_source
 from gspo_lightning.rollout.weight_sync import engine_weights
 from gspo_lightning.rollout.phases import PHASES
-from gspo_lightning.run.results import append_eval_record, eval_step
 from gspo_lightning.training import log_fast_path
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum, check_strategy
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
-from gspo_lightning.training.metrics import StepMetrics, step_values
+from gspo_lightning.training.metrics import StepMetrics, eval_step, step_values
 from gspo_lightning.training.checkpointing import CheckpointHooks
 from gspo_lightning.training.rank_state import gather_objects
 from gspo_lightning.training.strategy_ops import StrategyOps
-from gspo_lightning.training.config import BLOCKS, ModuleSettings, nest_flat_keys, rename_note
+from gspo_lightning.training.config import ModuleSettings, rename_note, with_flat_keys
 from gspo_lightning.training.update import MetricHook, PolicyUpdater, Update, update_settings
 
 __all__ = ["GSPOModule", "NonFiniteError"]
-
-
 
 
 class GSPOModule(CheckpointHooks, L.LightningModule):
@@ -102,7 +98,9 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         update: the updates: epochs, mini- and micro-batches, gradient clip, filters, MoE, metric hooks.
         asynchronous: rollouts generated ahead (``max_staleness``), off-policy correction, clip budget.
         export_on_fit_end: save the policy with ``save_pretrained`` (safetensors + tokenizer)
-            to ``<log dir>/hf_model`` when ``fit`` ends.
+            to ``<log dir>/hf_model`` when ``fit`` ends (done by the run's ``ExportOnFitEnd`` callback: the
+            ``gspo`` command attaches it; a script building its own ``Trainer`` calls
+            ``gspo_lightning.run.attach_run_callbacks(trainer)``).
         optimizer: optimizer factory (default AdamW, lr 1e-6).
         lr_scheduler: scheduler factory, stepped once per optimizer step.
     """
@@ -127,23 +125,13 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         **flat_keys,
     ):
         super().__init__()
+        blocks = dict(policy=policy, rollout=rollout, evaluation=evaluation, advantages=advantages, objective=objective,
+                      update=update, asynchronous=asynchronous)
         if flat_keys:  # the flat keys of earlier releases (and of their checkpoints' hyper-parameters)
-            blocks, renames = nest_flat_keys(flat_keys)
-            unknown = sorted(set(blocks) - set(BLOCKS))
-            if unknown:
-                raise TypeError(f"GSPOModule got unexpected keyword argument(s) {', '.join(unknown)}")
-            given = dict(policy=policy, rollout=rollout, evaluation=evaluation, advantages=advantages,
-                         objective=objective, update=update, asynchronous=asynchronous)
-            for name, values in blocks.items():
-                base = given[name]
-                base = dataclasses.asdict(base) if dataclasses.is_dataclass(base) else dict(base or {})
-                given[name] = {**base, **values}
-            policy, rollout, evaluation, advantages, objective, update, asynchronous = given.values()
-            if renames:
-                rank_zero_info(rename_note(renames))
+            blocks, renames = with_flat_keys(blocks, flat_keys)
+            rank_zero_info(rename_note(renames))
         # the blocks, checked together (training/config.py); read as self.settings.<block>.<field>
-        self.settings = ModuleSettings.build(policy=policy, rollout=rollout, evaluation=evaluation, advantages=advantages,
-                                             objective=objective, update=update, asynchronous=asynchronous)
+        self.settings = ModuleSettings.build(**blocks)
         self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
         # plain values, so checkpoints load with torch.load(weights_only=True) and rebuild this module
         self.save_hyperparameters({
@@ -248,11 +236,6 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             raise ValueError("no reward functions configured: set model.rewards, e.g. "
                              "[{function: gspo_lightning.rewards.math_accuracy}]")
 
-    def configure_callbacks(self):
-        from gspo_lightning.run.callbacks import run_callbacks
-
-        return run_callbacks(self.trainer)
-
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)
         if self.settings.rollout.rollout_batch_size is not None:  # sizes that do not divide fail now, not after a rollout
@@ -318,11 +301,6 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             # Lightning restores the step after on_fit_start, then finds nothing to do: say so, export nothing
             raise ValueError(f"the run is already at step {step} and trainer.max_steps={max_steps}: nothing to train. "
                              f"To continue from this checkpoint, set --trainer.max_steps above {step}")
-        if self.export_on_fit_end:
-            from gspo_lightning.run.export import export_after_fit
-
-            export_after_fit(self.policy, self.tokenizer, Path(self.trainer.log_dir or self.trainer.default_root_dir) / "hf_model",
-                             sharded=self.sharded, trainer=self.trainer, lora=self.lora, base_model=self.model_source)
 
     # -- one step ----------------------------------------------------------------------
     def sampling_seed(self, step: int) -> int:
@@ -471,7 +449,6 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         if not values:
             return
         self.log_dict({**values, "step": float(eval_step(self.trainer, self))}, on_step=False, on_epoch=True, prog_bar=False)
-        self.last_eval_metrics = values
-        append_eval_record(self.trainer, self, values)
+        self.last_eval_metrics = values  # the run's EvalRecords callback writes eval_results.jsonl from these
 
     on_test_epoch_end = on_validation_epoch_end  # the same metrics and record, under test/

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from gspo_lightning.rollout.hf import fsdp_units, gathered  # noqa: F401 - importable from here as before
 
 
 def data_parallel_mesh(mesh):
@@ -49,4 +48,4 @@ def fully_shard_causal_lm(model: nn.Module, mesh) -> bool:
     return False
 
 
-__all__ = ["data_parallel_mesh", "fsdp_units", "fully_shard_causal_lm", "gathered"]
+__all__ = ["data_parallel_mesh", "fully_shard_causal_lm"]

@@ -135,8 +135,7 @@ class UpdateOps:
     1. ``all_reduce_sum(counts)``: the step's loss denominators summed over ranks;
     2. ``zero_grad()``;
     3. per micro-batch: ``with accumulate(last):`` forward, loss, ``backward(loss)``;
-    4. ``all_reduce_sum(non_finite)`` (one finite check per step), ``reduce_gradients(finite)``,
-       ``clip_gradients()``;
+    4. ``all_reduce_sum(non_finite)`` (one finite check per step), ``clip_gradients()``;
     5. ``step(counted)``; or, after a non-finite loss or gradient, ``skip_overflow()`` and
        ``zero_grad()``.
 
@@ -172,11 +171,6 @@ class UpdateOps:
     def backward(self, loss: Tensor) -> None:
         """Accumulate the gradient of ``loss`` (already divided by the step's global counts)."""
         loss.backward()
-
-    def reduce_gradients(self, finite: bool) -> bool:
-        """Sum gradients over ranks where the strategy does not; ``finite`` is already agreed by
-        every rank. Returns whether the step may go on."""
-        return finite
 
     def clip_gradients(self) -> Tensor:
         """The total gradient norm (in unscaled units), after clipping to ``max_grad_norm``."""
@@ -351,7 +345,6 @@ class PolicyUpdater:
                     records.append((MicroBatch(rows, logprobs.detach(), micro_old, advantages[rows], mask[rows],
                                                loss_metrics, s), entropy))
                 finite = self._finite_everywhere(step_loss, ops)  # one collective per optimizer step
-                finite = ops.reduce_gradients(finite)
                 grad_norm = ops.clip_gradients() if finite else torch.tensor(float("nan"))
                 if finite and bool(torch.isfinite(grad_norm)):
                     for micro, entropy in records:

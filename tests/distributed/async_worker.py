@@ -68,6 +68,9 @@ def run(k: int, steps: int, folder: str, ckpt_path=None, engine=None) -> dict:
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=folder,
     )
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return {"state": {n: p.detach().clone() for n, p in module.policy.named_parameters()}, "metrics": metrics.rows}
 

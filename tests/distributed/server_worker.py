@@ -96,6 +96,9 @@ def run(strategy_name: str, engine_name: str, out_dir: str, save_as: str):
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out_dir,
     )
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     trainer.fit(module, datamodule=data)
 
     full = [(name, tensor.clone()) for name, tensor in iter_policy_weights(module.policy)]  # a collective (FSDP2)

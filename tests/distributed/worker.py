@@ -63,7 +63,7 @@ class GatheringEngine(DeterministicEngine):
         self.policy = spec.policy
 
     def generate(self, prompt_ids, n, params, seed):
-        from gspo_lightning.training.sharding import gathered
+        from gspo_lightning.rollout.hf import gathered
 
         with gathered(self.policy):
             return super().generate(prompt_ids, n, params, seed)
@@ -151,6 +151,9 @@ def run_case(strategy_name: str, case: str, out_dir: str):
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
         default_root_dir=out_dir,
     )
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)  # the run's callbacks (curves, records, export), as `gspo fit` attaches them
     trainer.fit(module, datamodule=data)
 
     state = {}
