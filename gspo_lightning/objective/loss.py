@@ -140,10 +140,10 @@ def policy_loss(
         sequence levels they count sequences (a sequence's share of flagged tokens, for gmpo).
     """
     check_choice("kl_estimator", kl_estimator, KLEstimator)
-    if dual_clip is not None and policy_loss_type != "ppo":
-        raise ValueError(f"dual_clip bounds PPO's clipped surrogate; policy_loss_type={policy_loss_type!r} has none: pass dual_clip=None")
     objective = objective_from_keywords(policy_loss_type, dict(
         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg))
+    if dual_clip is not None and "dual_clip" not in type(objective).LEGACY_KEYS:
+        raise ValueError(f"dual_clip bounds PPO's clipped surrogate; policy_loss_type={policy_loss_type!r} has none: pass dual_clip=None")
     check_choice("importance_sampling", importance_sampling, ImportanceSampling)
     level_problem = objective.level_problem(importance_sampling)
     if level_problem:
