@@ -200,15 +200,27 @@ class RolloutWorker:
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         raw_prompts = batch.get("prompts", batch["prompt_text"])
         prompts = [p for p in raw_prompts for _ in range(group_size)]
-        columns = {key: [v for v in values for _ in range(group_size)] for key, values in batch["columns"].items()}
-        columns["completion_lengths"] = lengths
-        errors_before = sum(self.rewards.error_counts.values())
-        scored = self.rewards(prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns)
-        total, components = scored[0], scored[1]
-        scored_rows = scored[2] if len(scored) > 2 else None
+        scores = self._score(prompts, completions, completion_ids, batch, group_size, lengths)
         timings["time/score"] = time.perf_counter() - start
 
         tensors = build_rollout_tensors(batch["prompt_ids"], generation, group_size, self.tokenizer.pad_token_id, device)
+        return self._rollout(tensors, generation, scores, group_size, prompts, completions, timings, device)
+
+    def _score(self, prompts: list, completions: list, completion_ids: list[list[int]], batch: dict, group_size: int,
+               completion_lengths: list[int]) -> tuple[list, dict, Optional[list], int]:
+        """The reward functions on one rollout: ``(totals, components, scored rows or None, errors
+        counted)``; the batch's columns repeated for each response of a group."""
+        columns = {key: [v for v in values for _ in range(group_size)] for key, values in batch["columns"].items()}
+        columns["completion_lengths"] = completion_lengths
+        errors_before = sum(self.rewards.error_counts.values())
+        scored = self.rewards(prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns)
+        scored_rows = scored[2] if len(scored) > 2 else None
+        return list(scored[0]), dict(scored[1]), scored_rows, sum(self.rewards.error_counts.values()) - errors_before
+
+    def _rollout(self, tensors: dict, generation: Generation, scores: tuple, group_size: int, prompts: list,
+                 completions: list, timings: dict, device: torch.device, **episode_fields) -> Rollout:
+        """The :class:`Rollout` of a generation and its scores, tagged with the weights that sampled it."""
+        total, components, scored_rows, errors = scores
         return Rollout(
             **tensors,
             rewards=torch.tensor(total, dtype=torch.float32, device=device),
@@ -219,7 +231,8 @@ class RolloutWorker:
             completions=completions,
             scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),
             timings=timings,
-            reward_errors=sum(self.rewards.error_counts.values()) - errors_before,
+            reward_errors=errors,
+            **episode_fields,
         )
 
     def _episode_rollout(self, batch: dict, *, seed: int, device: torch.device, evaluation: bool) -> Rollout:
@@ -241,13 +254,9 @@ class RolloutWorker:
         generation = episodes.generation
         model_ids = [[t for t, turn in zip(row, turns) if turn >= 0]
                      for row, turns in zip(generation.completion_ids.tolist(), episodes.turn_of_token.tolist())]
-        columns = {key: [v for v in values for _ in range(group_size)] for key, values in batch["columns"].items()}
-        columns["completion_lengths"] = [len(ids) for ids in model_ids]  # the model's tokens: no length penalty for tool output
-        errors_before = sum(self.rewards.error_counts.values())
-        scored = self.rewards(prompts=episodes.prompts, completions=episodes.completions, completion_ids=model_ids,
-                              columns=columns)
-        total, components = list(scored[0]), dict(scored[1])
-        scored_rows = scored[2] if len(scored) > 2 else None
+        # completion_lengths: the model's tokens, so no length penalty for tool output
+        total, components, scored_rows, errors = self._score(episodes.prompts, episodes.completions, model_ids, batch,
+                                                             group_size, [len(ids) for ids in model_ids])
         environment = [sum(rewards) for rewards in episodes.turn_rewards]
         if any(environment):
             total = [t + e for t, e in zip(total, environment)]
@@ -259,21 +268,9 @@ class RolloutWorker:
                                                   skip_special_tokens=False)
         tensors = build_rollout_tensors(episodes.prompt_ids, generation, 1, self.tokenizer.pad_token_id, device,
                                         loss_mask=episodes.loss_mask)
-        return Rollout(
-            **tensors,
-            rewards=torch.tensor(total, dtype=torch.float32, device=device),
-            reward_components={k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in components.items()},
-            group_size=group_size,
-            policy_version=self.engine.weights_version if generation.weights_version is None else generation.weights_version,
-            prompts=episodes.prompts,
-            completions=transcripts,
-            scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),
-            timings=timings,
-            reward_errors=sum(self.rewards.error_counts.values()) - errors_before,
-            turn_of_token=episodes.turn_of_token.to(device),
-            turn_rewards=episodes.turn_rewards,
-            episode_stats=episodes.stats,
-        )
+        return self._rollout(tensors, generation, (total, components, scored_rows, errors), group_size, episodes.prompts,
+                             transcripts, timings, device, turn_of_token=episodes.turn_of_token.to(device),
+                             turn_rewards=episodes.turn_rewards, episode_stats=episodes.stats)
 
     def close(self) -> None:
         if self.started:
