@@ -41,7 +41,9 @@ def run_job(tree: Path, job: str, out: Path) -> Path:
     folder = out / job
     args = [a if not a.startswith("configs/") else str(tree / a) for a in JOBS[job]]
     command = [sys.executable, "-m", "gspo_lightning.cli", "fit", *args, *NO_BAR, f"--trainer.default_root_dir={folder}"]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # the thread count fixed for both trees: the CPU-thread rule times trial steps, and a loaded machine
+    # can make it choose 1 thread in one run and 2 in the other (a difference of the machine, not the code)
+    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), **os.environ, "PYTHONPATH": str(tree)}
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{job}.log", "w") as log:
         subprocess.run(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
