@@ -9,4 +9,8 @@ class RolloutServerError(RuntimeError):
     """A rollout server stayed unreachable, or served weights other than the trainer's."""
 
 
-__all__ = ["NonFiniteError", "RolloutServerError"]
+class AgentError(RuntimeError):
+    """More than half of a step's agent episodes failed (raised, timed out, or never called the endpoint)."""
+
+
+__all__ = ["AgentError", "NonFiniteError", "RolloutServerError"]

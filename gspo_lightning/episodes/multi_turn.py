@@ -12,18 +12,33 @@ from typing import Callable, Optional
 
 import torch
 
+from gspo_lightning._imports import import_callable
 from gspo_lightning.episodes.environments import Environment
+from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
 from gspo_lightning.objective.advantages import turn_advantages
 
 
 class MultiTurn:
-    """Multi-turn episodes (``model.episodes``): the environment and the episode's limits.
+    """Multi-turn episodes (``model.episodes``): the environment or the agent, and the episode's limits.
 
     Args:
         environment: the environment (``class_path``), e.g.
             :class:`~gspo_lightning.episodes.ToolEnvironment` with plain Python functions as
             tools. Each episode gets its own copy (:meth:`Environment.fresh`).
+        agent: instead of an environment, a user's agent (import path of a function, sync or
+            ``async def``) that owns the loop and calls the run's OpenAI-compatible endpoint
+            (docs/agents.md). Called once per episode with ``row``, ``base_url``, ``api_key``
+            and ``model``; returns the episode's reward (a float) or None (the reward functions
+            score the recorded conversation).
+        tool_call_parser: how the endpoint reads tool calls out of sampled text into a reply's
+            ``tool_calls``, and writes an assistant message's ``tool_calls`` back as text where the
+            chat template cannot render them (default: Hermes ``<tool_call>`` JSON blocks).
+        max_concurrent: agent episodes running at once (``null``: the whole rollout batch).
+        agent_timeout_s: an agent still running after this long is an unscored, counted episode.
+        endpoint_host: where the endpoint listens (loopback by default; every call needs its
+            episode's key wherever it listens).
+        endpoint_port: its port (0: a free one, passed to the agent in ``base_url``).
         max_turns: assistant turns per episode at most.
         max_turn_tokens: tokens one assistant turn may sample (``null``: what is left of the
             episode's budget, ``response_length``).
@@ -43,10 +58,30 @@ class MultiTurn:
 
     lockstep: Optional[Callable[[bool], bool]] = None
 
-    def __init__(self, environment: Environment, max_turns: int = 4, max_turn_tokens: Optional[int] = None,
-                 on_environment_error: str = "raise", turn_advantages: bool = False, turn_discount: float = 1.0,
+    def __init__(self, environment: Optional[Environment] = None, max_turns: int = 4,
+                 max_turn_tokens: Optional[int] = None, on_environment_error: str = "raise",
+                 turn_advantages: bool = False, turn_discount: float = 1.0,
                  system_prompt_for_tools: Optional[str] = DEFAULT_TOOLS_SYSTEM_PROMPT, end_of_turn: Optional[str] = None,
-                 template_kwargs: Optional[dict] = None):
+                 template_kwargs: Optional[dict] = None, agent: Optional[str] = None,
+                 tool_call_parser: Optional[ToolCallParser] = None, max_concurrent: Optional[int] = None,
+                 agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0):
+        if (environment is None) == (agent is None):
+            raise ValueError("model.episodes needs exactly one of environment (the runner owns the loop) and agent (your "
+                             "program owns it and calls the endpoint); got "
+                             f"{'both' if environment is not None else 'neither'}")
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"episodes.max_concurrent must be >= 1 or null (the whole rollout batch), got {max_concurrent}")
+        if not agent_timeout_s > 0:
+            raise ValueError(f"episodes.agent_timeout_s must be positive, got {agent_timeout_s}")
+        if not 0 <= endpoint_port < 65536:
+            raise ValueError(f"episodes.endpoint_port must be in 0..65535 (0: a free port), got {endpoint_port}")
+        self.agent = agent
+        self.agent_function = import_callable(agent, "agent") if agent is not None else None
+        self.tool_call_parser = tool_call_parser if tool_call_parser is not None else HermesToolCallParser()
+        self.max_concurrent = max_concurrent
+        self.agent_timeout_s = agent_timeout_s
+        self.endpoint_host = endpoint_host
+        self.endpoint_port = endpoint_port
         if max_turns < 1:
             raise ValueError(f"episodes.max_turns must be >= 1, got {max_turns}")
         if max_turn_tokens is not None and max_turn_tokens < 1:
@@ -80,7 +115,8 @@ class MultiTurn:
         an engine that samples from the sharded policy itself gathers its weights in every
         ``generate``, a collective, so every rank must take as many turns (see
         :func:`~gspo_lightning.rollout.episodes.run_episodes`)."""
-        self.renderer = ChatRenderer(tokenizer, self.environment.tools_schema, **self.renderer_options)
+        tools = self.environment.tools_schema if self.environment is not None else None
+        self.renderer = ChatRenderer(tokenizer, tools, **self.renderer_options)
         self.tokenizer = tokenizer
         self.prompt_length = prompt_length
         self.lockstep = lockstep

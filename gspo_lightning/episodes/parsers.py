@@ -38,10 +38,17 @@ class ParsedTurn:
 
 
 class ToolCallParser:
-    """Reads the tool calls of one assistant turn; subclasses implement :meth:`parse`."""
+    """Reads the tool calls of one assistant turn (:meth:`parse`) and writes calls back as the
+    model writes them (:meth:`format`: the agent endpoint renders an assistant message's
+    ``tool_calls`` with it when the chat template cannot)."""
 
     def parse(self, text: str) -> ParsedTurn:
         raise NotImplementedError
+
+    def format(self, calls: list[ToolCall]) -> str:
+        """The text of ``calls`` in this parser's format (``parse(format(calls)).calls == calls``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write tool calls back as text: implement "
+                                  "format(calls) -> str, or use a chat template that renders tool_calls")
 
 
 class HermesToolCallParser(ToolCallParser):
@@ -76,6 +83,10 @@ class HermesToolCallParser(ToolCallParser):
             position = closing + len(self.end)
         prose.append(text[position:])
         return ParsedTurn(content="".join(prose).strip(), calls=calls, errors=errors)
+
+    def format(self, calls: list[ToolCall]) -> str:
+        return "\n".join(f"{self.start}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{self.end}"
+                         for c in calls)
 
     @staticmethod
     def _read_call(body: str) -> tuple[ToolCall | None, str | None]:

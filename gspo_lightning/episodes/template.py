@@ -186,6 +186,14 @@ class ChatRenderer:
         ``{"role": "assistant", "content": text}``: the sampled ids decoded without the end-of-turn
         token, and no ``tool_calls`` field (the calls are in the text, as the model wrote them).
         """
+        return self.continuation(messages_before, new_messages)[0]
+
+    def continuation(self, messages_before: list[dict], new_messages: list[dict], rendered_so_far: Optional[str] = None
+                     ) -> tuple[list[int], str]:
+        """:meth:`continuation_ids` and the whole conversation's rendering it ends (generation prompt
+        included). With ``rendered_so_far`` (that rendering from the previous turn, or the first
+        prompt's text), a template that rewrites an earlier turn once a later assistant turn exists
+        is refused too: the conversation so far must still render as it did when its ids were made."""
         if not messages_before or messages_before[-1].get("role") != "assistant":
             raise ValueError("messages_before must end with the assistant turn just generated, "
                              f"got a last role of {messages_before[-1].get('role') if messages_before else None!r}")
@@ -200,6 +208,9 @@ class ChatRenderer:
                                         "fields (tool_calls) the template renders in its own way?")
         if not after.startswith(before):
             raise TemplateNotAppendOnly(self._explain_change(before, after, messages_before, new_messages))
+        if rendered_so_far is not None and not before.startswith(rendered_so_far):
+            raise TemplateNotAppendOnly(self._explain_change(rendered_so_far, before, messages_before[:-1],
+                                                             messages_before[-1:]))
         suffix = after[len(before) - len(self.after_end_of_turn):]  # right after the end-of-turn token
         ids = self._encode(suffix)
         decoded = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -207,7 +218,7 @@ class ChatRenderer:
             raise ValueError(f"tokenizing the environment's text {suffix[:60]!r} alone does not give that text back "
                              "(a tokenizer that adds a prefix space, or normalizes text?); its ids would not be the "
                              "ones the template's conversation has")
-        return ids
+        return ids, after
 
     def _explain_change(self, before: str, after: str, messages_before: list[dict], new_messages: list[dict]) -> str:
         at = _common_prefix_length(before, after)

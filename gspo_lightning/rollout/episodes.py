@@ -90,6 +90,10 @@ class EpisodeBatch:
     completions: list[list[dict]]  # each episode's messages after the prompt
     turn_rewards: list[list[float]]
     stats: dict[str, float]
+    # agent episodes (rollout/agent/): the reward each agent returned (None: the reward functions
+    # score it), and the episodes whose agent failed (unscored)
+    agent_rewards: Optional[list[Optional[float]]] = None
+    failed: Optional[list[bool]] = None
 
 
 def as_messages(prompt: Any) -> list[dict]:

@@ -129,6 +129,7 @@ class RolloutWorker:
         self.eval_params = eval_params
         self.eval_group_size = eval_group_size
         self.transport = transport or InProcessTransport()
+        self.agents = None  # the agent endpoint and the agents (episodes.agent), built at start
         self.started = False
 
     def start(self, spec: EngineSpec) -> None:
@@ -136,6 +137,11 @@ class RolloutWorker:
             self.engine.start(spec)
             if self.episodes is not None:
                 self.episodes.start(self.tokenizer, spec.prompt_length, lockstep=spec.lockstep)
+                if self.episodes.agent is not None:
+                    from gspo_lightning.rollout.agent.runner import AgentRunner
+
+                    self.agents = AgentRunner(self.episodes, model_name=spec.model_name_or_path)
+                    self.agents.start()
             self.started = True
 
     def sync_weights(self, version: int, policy_weights: WeightsSource) -> dict[str, float]:
@@ -246,7 +252,10 @@ class RolloutWorker:
         self.engine.wake()
         raw_prompts = batch.get("prompts", batch["prompt_text"])
         rows = [dict(zip(batch["columns"], values)) for values in zip(*batch["columns"].values())] or [{} for _ in raw_prompts]
-        episodes = run_episodes(self.episodes, self.engine, raw_prompts, rows, group_size, params, seed)
+        if self.agents is not None:
+            episodes = self.agents.run(self.engine, raw_prompts, rows, group_size, params, seed)
+        else:
+            episodes = run_episodes(self.episodes, self.engine, raw_prompts, rows, group_size, params, seed)
         self.engine.sleep()
         timings["time/generate"] = time.perf_counter() - start
 
@@ -255,8 +264,11 @@ class RolloutWorker:
         model_ids = [[t for t, turn in zip(row, turns) if turn >= 0]
                      for row, turns in zip(generation.completion_ids.tolist(), episodes.turn_of_token.tolist())]
         # completion_lengths: the model's tokens, so no length penalty for tool output
-        total, components, scored_rows, errors = self._score(episodes.prompts, episodes.completions, model_ids, batch,
-                                                             group_size, [len(ids) for ids in model_ids])
+        if episodes.agent_rewards is not None:
+            total, components, scored_rows, errors = self._score_agent_episodes(episodes, model_ids, batch, group_size)
+        else:
+            total, components, scored_rows, errors = self._score(episodes.prompts, episodes.completions, model_ids, batch,
+                                                                 group_size, [len(ids) for ids in model_ids])
         environment = [sum(rewards) for rewards in episodes.turn_rewards]
         if any(environment):
             total = [t + e for t, e in zip(total, environment)]
@@ -272,8 +284,42 @@ class RolloutWorker:
                              transcripts, timings, device, turn_of_token=episodes.turn_of_token.to(device),
                              turn_rewards=episodes.turn_rewards, episode_stats=episodes.stats)
 
+    def _score_agent_episodes(self, episodes, model_ids: list[list[int]], batch: dict, group_size: int
+                              ) -> tuple[list, dict, list, int]:
+        """An agent's own reward where it returned one; the reward functions on the episodes it
+        returned None for; a failed episode unscored."""
+        count = len(model_ids)
+        total, scored = [0.0] * count, [False] * count
+        components: dict[str, list[float]] = {}
+        given = [r is not None and not f for r, f in zip(episodes.agent_rewards, episodes.failed)]
+        if any(given):
+            components["agent"] = [r if ok else float("nan") for r, ok in zip(episodes.agent_rewards, given)]
+            for i in (i for i in range(count) if given[i]):
+                total[i], scored[i] = episodes.agent_rewards[i], True
+        rows = [i for i in range(count) if episodes.agent_rewards[i] is None and not episodes.failed[i]]
+        errors = 0
+        if rows and self.rewards is not None:
+            columns = {key: [v for v in values for _ in range(group_size)] for key, values in batch["columns"].items()}
+            columns = {key: [values[i] for i in rows] for key, values in columns.items()}
+            pick = lambda values: [values[i] for i in rows]  # noqa: E731
+            sub_batch = {"columns": columns}
+            sub_total, sub_components, sub_scored, errors = self._score(
+                pick(episodes.prompts), pick(episodes.completions), pick(model_ids), sub_batch, 1,
+                [len(model_ids[i]) for i in rows])
+            for name, values in sub_components.items():
+                components[name] = [float("nan")] * count
+                for i, value in zip(rows, values):
+                    components[name][i] = value
+            for k, i in enumerate(rows):
+                total[i] = sub_total[k]
+                scored[i] = True if sub_scored is None else bool(sub_scored[k])
+        return total, components, scored, errors
+
     def close(self) -> None:
         if self.started:
+            if self.agents is not None:
+                self.agents.close()
+                self.agents = None
             self.engine.close()
             self.started = False
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import lightning as L
 
-from gspo_lightning.errors import NonFiniteError, RolloutServerError
+from gspo_lightning.errors import AgentError, NonFiniteError, RolloutServerError
 from gspo_lightning.rewards.base import RewardError
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,12 @@ class PreemptionCheckpoint(L.Callback):
             trainer.save_checkpoint(path, weights_only=False)
             print(f"a reward function failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} "
                   f"is saved in {path}: fix the function, then resume with --ckpt_path {path}", flush=True)
+        elif isinstance(exception, AgentError) and trainer.global_step > 0:
+            path = checkpoint_dir(trainer) / "last.ckpt"
+            trainer.save_checkpoint(path, weights_only=False)
+            if trainer.is_global_zero:
+                print(f"the agent failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} is "
+                      f"saved in {path}: fix the agent, then resume with --ckpt_path {path}", flush=True)
         elif isinstance(exception, RolloutServerError) and trainer.global_step > 0:
             # the rollout server is gone: keep the run up to the last finished step
             path = checkpoint_dir(trainer) / "last.ckpt"

@@ -232,9 +232,10 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         check_strategy(self.trainer.strategy)
         self.configure_model()
         group_attention_on_cpu(self.trainer.strategy.root_device)  # no key/value copies per query head
-        if self.worker.rewards is None:
+        if self.worker.rewards is None and (self.episodes is None or self.episodes.agent is None):
             raise ValueError("no reward functions configured: set model.rewards, e.g. "
-                             "[{function: gspo_lightning.rewards.math_accuracy}]")
+                             "[{function: gspo_lightning.rewards.math_accuracy}] (an agent that returns rewards "
+                             "needs none)")
 
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)

@@ -51,6 +51,9 @@ class WordCallParser(ToolCallParser):
             return ParsedTurn(content="", calls=[], errors=[f"{words[0]} needs a {self.argument}"])
         return ParsedTurn(content="", calls=[ToolCall(name=words[0], arguments={self.argument: words[1]})], errors=[])
 
+    def format(self, calls: list[ToolCall]) -> str:
+        return " ".join(f"{call.name} {call.arguments.get(self.argument, '')}".strip() for call in calls)
+
 
 class LookupEnvironment(Environment):
     """Answers ``get <key>`` with the row's digit for that key; an unknown key gets ``tool: error``

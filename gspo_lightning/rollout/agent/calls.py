@@ -1,0 +1,96 @@
+"""Calls waiting for the engine, handed from the endpoint's event loop to the thread that owns
+the engine (the rollout's), and batched there: calls that arrive together are one generation.
+
+A batch is taken when every running agent is waiting on a call, or ``window_s`` after the
+oldest waiting call arrived (an agent busy in a slow tool does not hold the others back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class QueuedCall:
+    """A call's prompt and room, and where its result goes (a future on the endpoint's loop)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+
+    def resolve(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+        def settle() -> None:
+            if self.future.done():  # the call was cancelled (its client went away)
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
+class CallQueue:
+    """Thread-safe: the endpoint submits, the rollout thread takes batches."""
+
+    def __init__(self, window_s: float = 0.05):
+        self.window_s = window_s
+        self._cond = threading.Condition()
+        self._pending: list[QueuedCall] = []
+        self._running = 0  # agents started and not yet ended
+        self._remaining = 0  # agents not yet ended (started or not)
+
+    def reset(self, agents: int) -> None:
+        with self._cond:
+            self._pending.clear()
+            self._running = 0
+            self._remaining = agents
+
+    def agent_started(self) -> None:
+        with self._cond:
+            self._running += 1
+
+    def submit(self, call: QueuedCall) -> None:
+        with self._cond:
+            self._pending.append(call)
+            self._cond.notify_all()
+
+    def agent_finished(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._remaining -= 1
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        """Every agent ended and no call waits."""
+        with self._cond:
+            return self._remaining <= 0 and not self._pending
+
+    def take(self, poll_s: float = 0.05) -> list[QueuedCall]:
+        """The next batch, or ``[]`` after ``poll_s`` with nothing waiting (or when all agents ended)."""
+        with self._cond:
+            if not self._pending and self._remaining > 0:
+                self._cond.wait(poll_s)
+            if not self._pending:
+                return []
+            deadline = self._pending[0].arrived + self.window_s
+            while len(self._pending) < self._running and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            batch, self._pending = self._pending, []
+            return batch
+
+    def fail_pending(self, error: BaseException) -> None:
+        with self._cond:
+            batch, self._pending = self._pending, []
+        for call in batch:
+            call.resolve(error=error)
+
+
+__all__ = ["CallQueue", "QueuedCall"]

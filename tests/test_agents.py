@@ -1,0 +1,214 @@
+"""The agent endpoint with the real ``openai`` client: what it records, how a history is matched,
+concurrency, streaming, hostile requests, and agents that fail."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import pytest
+
+from tests.helpers_agents import DIGIT, EOS, FIND, GET, KEY, TOOL, TOOLS, USER, PromptEngine, rows, run, runner
+
+from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCall
+from gspo_lightning.errors import AgentError
+from gspo_lightning.models.tiny import build_tokenizer, get_spec
+from gspo_lightning.rollout.agent.record import AgentSession, same_message, template_messages
+from gspo_lightning.rollout.engine import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+
+def test_an_openai_agent_trains_on_the_ids_the_engine_sampled():
+    """user: find c / get c<eos> / tool: 3 / 3<eos>: the model's ids as sampled, the tool's reply
+    rendered once between them and masked, two calls, no fork."""
+    row = rows(1)[0]
+    batch = run("tests.helpers_agents.lookup_agent", PromptEngine(calls=1), [row])
+    digit = DIGIT[int(row["answer"])]
+    assert batch.prompt_ids == [[USER, FIND, KEY[row["key"]]]]
+    width = 6
+    assert batch.generation.completion_ids[0, :width].tolist() == [GET, KEY[row["key"]], EOS, TOOL, digit, digit]
+    assert batch.generation.lengths.tolist() == [width + 1]
+    assert batch.loss_mask[0, :width + 1].tolist() == [True, True, True, False, False, True, True]
+    assert batch.turn_of_token[0, :width + 1].tolist() == [0, 0, 0, -1, -1, 1, 1]
+    assert batch.generation.logprobs[0, :width + 1].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0, 0, -0.1, -0.2])
+    assert batch.stats["agent/calls"] == 2 and batch.stats["agent/forks"] == 0 and batch.stats["agent/errors"] == 0
+    # the reward functions get the conversation as the template rendered it, the tool's reply as sent
+    assert batch.completions[0] == [{"role": "assistant", "content": f"get {row['key']}"},
+                                    {"role": "tool", "content": row["answer"], "tool_call_id": batch.completions[0][1]["tool_call_id"]},
+                                    {"role": "assistant", "content": row["answer"]}]
+    assert batch.agent_rewards == [None] and batch.failed == [False]
+
+
+def test_concurrent_episodes_are_each_attributed_to_their_own_key():
+    """32 async episodes of 4 turns, their calls interleaved by random pauses: each record holds
+    only its own row's prompt and tool replies, and each agent's reward checks its own answer."""
+    batch_rows = rows(32, seed=11)
+    engine = PromptEngine(calls=3)
+    batch = run("tests.helpers_agents.slow_async_agent", engine, batch_rows, response_length=24)
+    assert batch.stats["agent/calls"] == 32 * 4 and batch.stats["agent/forks"] == 0 and batch.stats["agent/errors"] == 0
+    for row, prompt_ids, completion, reward in zip(batch_rows, batch.prompt_ids, batch.completions, batch.agent_rewards):
+        assert prompt_ids == [USER, FIND, KEY[row["key"]]]
+        table = dict(zip("abcdef", row["table"].split()))
+        assert [m["content"] for m in completion if m["role"] == "tool"] == [table[row["key"]]] * 3
+        assert reward == 1.0
+    assert max(engine.batches) > 1  # calls that arrived together were sampled together
+
+
+def test_a_history_that_does_not_extend_the_record_forks_and_trains_on_the_last_segment():
+    batch = run("tests.helpers_agents.editing_agent", PromptEngine(calls=1), rows(1))
+    assert batch.stats["agent/forks"] == 1 and batch.stats["agent/calls"] == 2
+    row = rows(1)[0]
+    key = KEY[row["key"]]
+    # the new segment's prompt is the edited history rendered whole; only its own turn is trained
+    assert batch.prompt_ids[0] == [USER, FIND, key, FIND, key, GET, key, TOOL, DIGIT[int(row["answer"])]]
+    assert batch.loss_mask[0].sum().item() == 2
+
+
+def test_a_template_that_rewrites_earlier_turns_forks_instead_of_training_on_unseen_tokens():
+    """A template that hides earlier assistant turns once another follows (as Qwen3's drops earlier
+    reasoning): the second call's prompt is not the first's continuation, so it forks."""
+    tokenizer = build_tokenizer(get_spec("tiny-lookup"))
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+        "{% if loop.index0 + 2 < messages|length %}get\n{% else %}{{ message['content'] }}\n{% endif %}"
+        "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}{% endfor %}")
+    agents = runner("tests.helpers_agents.lookup_agent")
+    agents.multi_turn.tokenizer = agents.endpoint.tokenizer = tokenizer
+    try:
+        batch = agents.run(PromptEngine(calls=2), ["find c"], rows(1), 1, SamplingParams(max_new_tokens=16), seed=1)
+    finally:
+        agents.close()
+    assert batch.stats["agent/forks"] >= 1
+    assert batch.loss_mask[0].sum().item() == int((batch.turn_of_token[0] >= 0).sum())
+
+
+def test_tool_calls_are_written_back_in_the_parsers_format_where_the_template_cannot_render_them():
+    parser = HermesToolCallParser()
+    calls = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("neg", {"x": 1})]
+    assert parser.parse(parser.format(calls)).calls == calls
+    sent = [{"role": "assistant", "content": "Sure.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}]
+    text = template_messages(sent, parser, renders_tool_calls=False)[0]["content"]
+    assert text.startswith("Sure.\n<tool_call>") and parser.parse(text).calls == calls[:1]
+    kept = template_messages(sent, parser, renders_tool_calls=True)[0]
+    assert kept["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    # clients re-serialize arguments and drop nulls: the same call is the same message
+    again = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "add", "arguments": '{"b":3,"a":2}'}}]}
+    assert same_message(again, {**sent[0], "content": ""})
+    assert not same_message(again, {**sent[0], "content": "Sure."})
+
+
+def test_streaming_replies_carry_tool_calls_usage_and_token_ids():
+    agents = runner("tests.helpers_agents.lookup_agent")
+    agents.start()
+    engine = PromptEngine(calls=1)
+    session = AgentSession(0, rows(1)[0])
+    from gspo_lightning.rollout.agent.endpoint import TurnLimits
+
+    agents.endpoint.open_episodes([session], TurnLimits(1.0, 1.0, 12, 8, 3))
+    agents.endpoint.queue.agent_started()
+    server = threading.Thread(target=agents._sample_calls, args=(engine, SamplingParams(max_new_tokens=12), 0))
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=agents.endpoint.base_url, api_key=session.key, max_retries=0)
+        messages = [{"role": "user", "content": "find c"}]
+        chunks = list(client.chat.completions.create(model="tiny-lookup", messages=messages, tools=TOOLS, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"return_token_ids": True}, temperature=0.3))
+        calls = [c for chunk in chunks for choice in chunk.choices for c in (choice.delta.tool_calls or [])]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get", {"key": "c"})]
+        assert chunks[-1].usage.prompt_tokens == 3 and chunks[-1].usage.completion_tokens == 3
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        streamed_ids = [ch.choices[0].model_extra.get("token_ids") for ch in chunks if ch.choices]
+        assert [GET, KEY["c"], EOS] in streamed_ids
+        messages += [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "3"}]
+        reply = client.chat.completions.create(model="tiny-lookup", messages=messages, tools=TOOLS, logprobs=True,
+                                               extra_body={"return_token_ids": True})
+        assert reply.choices[0].message.content == "3" and reply.choices[0].finish_reason == "stop"
+        assert reply.model_extra["prompt_token_ids"] == [USER, FIND, KEY["c"], GET, KEY["c"], EOS, TOOL, DIGIT[3]]
+        assert reply.choices[0].model_extra["token_ids"] == [DIGIT[3], EOS]
+        assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx([-0.1, -0.2])
+        assert session.forks == 0 and session.segment.turns == 2
+    finally:
+        agents.endpoint.end_episode(session)
+        server.join(timeout=10)
+        agents.close()
+
+
+def _post(port: int, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers})
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, json.loads(payload or b"{}")
+
+
+def test_hostile_requests_are_refused_before_anything_is_recorded():
+    agents = runner("tests.helpers_agents.lookup_agent")
+    agents.endpoint.max_body_bytes = 4096
+    agents.start()
+    session, other = AgentSession(0, rows(1)[0]), AgentSession(1, rows(2)[1])
+    from gspo_lightning.rollout.agent.endpoint import TurnLimits
+
+    agents.endpoint.open_episodes([session, other], TurnLimits(1.0, 1.0, 12, 8, 3))
+    port = agents.endpoint.port
+    good = json.dumps({"model": "tiny-lookup", "messages": [{"role": "user", "content": "find c"}]}).encode()
+    bearer = {"Authorization": f"Bearer {session.key}"}
+    try:
+        assert _post(port, "/v1/chat/completions", good, {})[0] == 401
+        assert _post(port, "/v1/chat/completions", good, {"Authorization": "Bearer gspo-guessed"})[0] == 401
+        assert _post(port, "/v1/chat/completions", good, {"Authorization": session.key})[0] == 401  # no scheme
+        assert _post(port, "/v1/chat/completions", b"x" * 10_000, bearer)[0] == 413
+        status, payload = _post(port, "/v1/chat/completions", b"{not json", bearer)
+        assert status == 400 and "not JSON" in payload["error"]["message"]
+        status, payload = _post(port, "/v1/chat/completions",
+                                json.dumps({"model": "tiny-lookup", "messages": [{"role": "user", "content": "x"}],
+                                            "n": 2}).encode(), bearer)
+        assert status == 400 and "n must be 1" in payload["error"]["message"]
+        status, payload = _post(port, "/v1/chat/completions",
+                                json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}).encode(),
+                                bearer)
+        assert status == 404 and "tiny-lookup" in payload["error"]["message"]
+        for bad in ({"model": "tiny-lookup", "messages": []}, {"model": "tiny-lookup", "messages": [{"role": "robot"}]},
+                    {"model": "tiny-lookup", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+                    {"model": "tiny-lookup", "messages": [{"role": "user", "content": "x"}], "tools": "all"}):
+            assert _post(port, "/v1/chat/completions", json.dumps(bad).encode(), bearer)[0] == 400, bad
+        # a prompt longer than data.prompt_length: refused, with the key to raise
+        status, payload = _post(port, "/v1/chat/completions",
+                                json.dumps({"model": "tiny-lookup",
+                                            "messages": [{"role": "user", "content": "find c " * 10}]}).encode(), bearer)
+        assert status == 400 and "data.prompt_length" in payload["error"]["message"]
+        assert session.segments == [] and other.calls == 0  # nothing recorded, nothing attributed to the other key
+        agents.endpoint.end_episode(session)  # the episode ended: its key is dead
+        assert _post(port, "/v1/chat/completions", good, bearer)[0] == 401
+    finally:
+        agents.close()
+
+
+def test_agents_that_fail_give_unscored_counted_episodes_and_a_majority_stops_the_run(capsys):
+    batch_rows = rows(8)
+    for row, behaviour in zip(batch_rows, ("raise", "hang", "silent", "wrong_type")):
+        row["behaviour"] = behaviour
+    batch = run("tests.helpers_agents.faulty_agent", PromptEngine(calls=1), batch_rows, agent_timeout_s=1.5)
+    assert batch.failed == [True, True, True, True, False, False, False, False]
+    assert batch.stats["agent/errors"] == 3 and batch.stats["agent/timeouts"] == 1
+    printed = capsys.readouterr().err
+    assert "4 of 8 agent episodes failed" in printed and printed.count("\n") == 1
+    assert batch.generation.lengths.tolist()[:3] == [0, 0, 0] and batch.generation.lengths.tolist()[4] > 0
+    for row in batch_rows[4:6]:
+        row["behaviour"] = "raise"
+    with pytest.raises(AgentError, match="6 of 8 agent episodes failed.*KeyError"):
+        run("tests.helpers_agents.faulty_agent", PromptEngine(calls=1), batch_rows, agent_timeout_s=1.5)
+
+
+def test_a_turn_never_outgrows_the_episodes_budget():
+    """Three calls of 3 tokens plus two tool replies of 2 do not fit 12 tokens: the third call's
+    turn is capped to what is left, and a call after the budget gets an empty length reply."""
+    batch = run("tests.helpers_agents.lookup_agent", PromptEngine(calls=5), rows(1), response_length=12)
+    assert batch.generation.lengths.tolist() == [12]
+    assert batch.stats["episode/ended_budget"] == 1.0
