@@ -158,3 +158,40 @@ def editing_agent(row, base_url, api_key, model):
     messages[0] = {"role": "user", "content": f"find {row['key']} find {row['key']}"}
     client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
     return None
+
+
+_episodes_started = {"count": 0}
+
+
+def fails_after_first_step(row, base_url, api_key, model):
+    """A lookup agent that raises from its 17th episode on (the second step of a 4 x 4 run)."""
+    _episodes_started["count"] += 1
+    if _episodes_started["count"] > 16:
+        raise ConnectionError("the agent's sandbox went away")
+    return lookup_agent(row, base_url, api_key, model)
+
+
+def agent_config(folder, steps: int = 2, **model) -> str:
+    """configs/agent_lookup.yaml shrunk to ``steps`` steps of 4 prompts x 4 episodes."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "configs" / "agent_lookup.yaml").read_text())
+    config["trainer"].update({"max_steps": steps, "default_root_dir": str(folder), "val_check_interval": steps,
+                              "num_sanity_val_steps": 0, "enable_progress_bar": False})
+    config["data"].update({"val_size": 4, "rollout_batch_size": 4})
+    config["model"]["rollout"]["num_return_sequences_in_group"] = 4
+    config["model"]["update"]["mini_batch_size"] = 8
+    config["model"]["export_on_fit_end"] = False
+    for key, value in model.items():  # "block.field" or a model key
+        block, _, field = key.partition(".")
+        if field:
+            config["model"].setdefault(block, {})[field] = value
+        else:
+            config["model"][key] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)

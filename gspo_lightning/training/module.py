@@ -88,7 +88,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         engine: the generation engine, by ``class_path`` (default: ``HFEngine``, the policy
             itself; ``gspo_lightning.rollout.VLLMEngine`` for vLLM, see docs/vllm.md;
             ``gspo_lightning.rollout.RemoteEngine`` for rollout servers, docs/scaling.md).
-        episodes: multi-turn episodes with an environment (``episodes.MultiTurn``; docs/episodes.md): each
+        episodes: multi-turn episodes with an environment or your own agent (``episodes.MultiTurn``; docs/episodes.md, docs/agents.md): each
             sample is an episode, ``rollout.response_length`` its token budget after the prompt. ``null``: one turn.
         rollout: each step's rollout: group size, lengths, sampling, seed, dynamic sampling, reward errors.
         evaluation: held-out evaluation: samples per prompt, temperature, accuracy threshold.

@@ -4,7 +4,8 @@
 The same task as the built-in recipe (configs/smollm2_tools_cpu.yaml): two-digit sums, an ``add``
 tool, one worked exchange before the question (SmolLM2's template has no tools section; the
 endpoint shows the tools in a system message and writes the example's call in the Hermes
-format the model then copies). Returns None: ``calculator_reward`` scores the recorded episode.
+format the model then copies). Returns None: ``calculator_reward`` scores the recorded episode;
+0.0 when the model calls a tool that does not exist (the SDK raises ``ModelBehaviorError``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def worked_example() -> list[dict]:
 
 
 async def _run(row: dict, base_url: str, api_key: str, model: str, stream: bool) -> Optional[float]:
-    from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, Runner, function_tool, \
+        set_tracing_disabled
 
     set_tracing_disabled(True)  # traces go to OpenAI's servers by default: not from a training run
     agent = Agent(name="calculator", tools=[function_tool(add)],
@@ -42,6 +44,8 @@ async def _run(row: dict, base_url: str, api_key: str, model: str, stream: bool)
             await Runner.run(agent, question, max_turns=3)
     except MaxTurnsExceeded:
         pass  # the recorded turns are scored like any episode that ran out of turns
+    except ModelBehaviorError:
+        return 0.0  # the model called a tool that does not exist: its mistake, a wrong answer, not the agent's bug
     return None
 
 

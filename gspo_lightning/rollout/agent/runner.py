@@ -47,15 +47,18 @@ class AgentRunner:
     Args:
         multi_turn: the episodes' settings, started (``MultiTurn.start``).
         model_name: the name the endpoint serves the policy under (the agent's ``model``).
+        local_rank: this process's rank on its machine: a fixed ``endpoint_port`` is shifted by
+            it, so each rank serves its own episodes on its own port.
     """
 
-    def __init__(self, multi_turn: MultiTurn, model_name: str):
+    def __init__(self, multi_turn: MultiTurn, model_name: str, local_rank: int = 0):
         if multi_turn.agent_function is None:
             raise ValueError("AgentRunner needs model.episodes.agent")
         self.multi_turn = multi_turn
         self.model_name = model_name
         self.endpoint = AgentEndpoint(multi_turn.tokenizer, multi_turn.tool_call_parser, multi_turn.renderer_options,
-                                      model_name, host=multi_turn.endpoint_host, port=multi_turn.endpoint_port)
+                                      model_name, host=multi_turn.endpoint_host,
+                                      port=multi_turn.endpoint_port + local_rank if multi_turn.endpoint_port else 0)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._printed: set[str] = set()

@@ -1,0 +1,101 @@
+"""The agent endpoint against the built-in episode runner, through ``gspo fit`` as users run it.
+
+Arms (``--arms``), each a run of ``--steps`` rollout steps of the lookup task on the tiny
+lookup model, the Hugging Face engine, ``OMP_NUM_THREADS=--threads`` in both:
+
+- ``builtin``: configs/episodes_lookup.yaml (the runner owns the loop);
+- ``agent``: configs/agent_lookup.yaml (a plain ``openai`` agent calls the endpoint);
+- ``builtin-slow`` / ``agent-slow``: the same with a 1 s tool action per episode
+  (benchmarks/agent_tools.py) and a smaller batch (``--slow-prompts`` x 8 episodes): the
+  built-in runner's environment steps one episode after another, the agents overlap.
+
+Prints the median step time of each arm (the first step left out: it starts the engine) and
+each agent arm's ratio to its built-in twin; ``--json`` keeps the numbers.
+
+    python benchmarks/bench_agents.py --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW_ENVIRONMENT = "--model.episodes.environment.class_path=agent_tools.SlowLookupEnvironment"
+ARMS = {
+    "builtin": ("configs/episodes_lookup.yaml", []),
+    "agent": ("configs/agent_lookup.yaml", []),
+    "builtin-slow": ("configs/episodes_lookup.yaml", [SLOW_ENVIRONMENT]),
+    "agent-slow": ("configs/agent_lookup.yaml", ["--model.episodes.agent=agent_tools.slow_lookup_agent"]),
+}
+TWIN = {"agent": "builtin", "agent-slow": "builtin-slow"}
+
+
+def load() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
+def run_arm(arm: str, steps: int, threads: int, slow_prompts: int, workdir: Path) -> dict:
+    config, overrides = ARMS[arm]
+    if arm.endswith("-slow"):
+        overrides = [*overrides, f"--data.rollout_batch_size={slow_prompts}", "--model.rollout.num_return_sequences_in_group=8",
+                     f"--model.update.mini_batch_size={slow_prompts * 8}"]
+    root = workdir / arm
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}"}
+    command = [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(ROOT / config),
+               f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false",
+               "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false",
+               "--model.export_on_fit_end=false", "--model.objective.old_logprobs=engine", *overrides]
+    before = load()
+    started = time.time()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir)
+    if result.returncode:
+        raise RuntimeError(f"{arm} failed:\n{result.stderr[-3000:]}")
+    rows = [r for r in csv.DictReader(open(sorted(root.glob("csv/version_*/metrics.csv"))[-1])) if r.get("time/step")]
+    step_s = [float(r["time/step"]) for r in rows][1:]
+    out = {"arm": arm, "load_before": before, "wall_s": round(time.time() - started, 1),
+           "step_s": round(statistics.median(step_s), 3),
+           "generate_s": round(statistics.median(float(r["time/generate"]) for r in rows[1:]), 3),
+           "episodes_per_step": int(rows[0].get("rollout/num_responses") or 0) or None}
+    if arm.startswith("agent"):
+        out["calls_per_step"] = round(statistics.mean(float(r["agent/calls"]) for r in rows[1:]), 1)
+        out["gap_max"] = max(float(r["engine/logprob_abs_diff"]) for r in rows if r.get("engine/logprob_abs_diff"))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arms", default="builtin,agent,builtin-slow,agent-slow")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--slow-prompts", type=int, default=4, help="prompts per step of the slow arms (8 episodes each)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="gspo-bench-agents-"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    results = {}
+    for arm in args.arms.split(","):
+        results[arm] = run_arm(arm, args.steps + 1, args.threads, args.slow_prompts, workdir)
+        print(json.dumps(results[arm]), flush=True)
+    print(f"\ncommit {commit}, {args.steps} steps after the first, OMP_NUM_THREADS={args.threads}")
+    print("| arm | step (s) | generate (s) | calls/step | vs built-in |")
+    print("|---|---|---|---|---|")
+    for arm, r in results.items():
+        twin = results.get(TWIN.get(arm, ""))
+        ratio = f"{r['step_s'] / twin['step_s']:.2f}x" if twin else ""
+        print(f"| {arm} | {r['step_s']} | {r['generate_s']} | {r.get('calls_per_step', '')} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"commit": commit, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
