@@ -7,7 +7,9 @@ import csv
 import http.client
 import importlib.util
 import json
+import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,7 @@ def _post(port: int, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
 def test_hostile_requests_are_refused_before_anything_is_recorded():
     agents = runner("tests.helpers_agents.lookup_agent")
     agents.endpoint.max_body_bytes = 4096
+    agents.endpoint.watch.idle_s = 1.0
     agents.start()
     session, other = AgentSession(0, rows(1)[0]), AgentSession(1, rows(2)[1])
     from gspo_lightning.rollout.agent.endpoint import TurnLimits
@@ -188,6 +191,12 @@ def test_hostile_requests_are_refused_before_anything_is_recorded():
                                             "messages": [{"role": "user", "content": "find c " * 10}]}).encode(), bearer)
         assert status == 400 and "data.prompt_length" in payload["error"]["message"]
         assert session.segments == [] and other.calls == 0  # nothing recorded, nothing attributed to the other key
+        # half a request line, then nothing: the connection is closed after the idle deadline
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        assert slow.recv(100) == b"" and time.monotonic() - started < 5
+        slow.close()
         agents.endpoint.end_episode(session)  # the episode ended: its key is dead
         assert _post(port, "/v1/chat/completions", good, bearer)[0] == 401
     finally:

@@ -29,6 +29,7 @@ from typing import Optional
 from gspo_lightning.episodes.parsers import ToolCallParser
 from gspo_lightning.episodes.template import ChatRenderer, TemplateNotAppendOnly
 from gspo_lightning.rollout.agent.calls import CallQueue, QueuedCall
+from gspo_lightning.rollout.agent.connections import ConnectionWatch
 from gspo_lightning.rollout.agent.openai_format import ChatRequest, Reply, RequestError, assistant_reply, \
     completion_object, parse_chat_request, stream_events
 from gspo_lightning.rollout.agent.record import AgentSession, PreparedCall
@@ -65,13 +66,15 @@ class AgentEndpoint:
         renderer_options: ``ChatRenderer`` options (``system_prompt_for_tools``, ``end_of_turn``, ``template_kwargs``).
         model_name: the served model's name.
         host / port: where it listens (port 0: a free one).
-        max_body_mb / request_timeout_s: bounds on what a request may send and how long it may take.
+        max_body_mb / request_timeout_s: bounds on what a request may send and how long it may take
+            (a connection idle for ``request_timeout_s``, or half a request, is closed).
+        max_connections: connections at once; more are closed as they open.
         window_s: how long the first waiting call waits for others to join its generation.
     """
 
     def __init__(self, tokenizer, parser: ToolCallParser, renderer_options: dict, model_name: str,
                  host: str = "127.0.0.1", port: int = 0, max_body_mb: float = 8.0, request_timeout_s: float = 60.0,
-                 window_s: float = 0.05):
+                 max_connections: int = 4096, window_s: float = 0.05):
         self.tokenizer = tokenizer
         self.parser = parser
         self.renderer_options = dict(renderer_options)
@@ -80,6 +83,7 @@ class AgentEndpoint:
         self.port = port
         self.max_body_bytes = int(max_body_mb * 2**20)
         self.request_timeout_s = request_timeout_s
+        self.watch = ConnectionWatch(request_timeout_s, max_connections)
         self.queue = CallQueue(window_s)
         self.sessions: dict[str, AgentSession] = {}
         self.limits: Optional[TurnLimits] = None
@@ -105,11 +109,13 @@ class AgentEndpoint:
         failure: list[BaseException] = []
 
         async def serve() -> None:
-            self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                         keepalive_timeout=self.request_timeout_s)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, self.host, self.port)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
+            factory = self.watch.protocol_factory(self._runner.server)
+            self._server = await asyncio.get_running_loop().create_server(factory, self.host, self.port)
+            self.port = self._server.sockets[0].getsockname()[1]
+            self._sweep = asyncio.ensure_future(self.watch.sweep())
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
@@ -156,7 +162,12 @@ class AgentEndpoint:
     def stop(self) -> None:
         if self._thread is None:
             return
-        future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        async def shut() -> None:
+            self._sweep.cancel()
+            self._server.close()
+            await self._runner.cleanup()
+
+        future = asyncio.run_coroutine_threadsafe(shut(), self._loop)
         try:
             future.result(timeout=10)
         finally:
@@ -182,6 +193,13 @@ class AgentEndpoint:
                                                               "owned_by": "gspo-lightning"}]})
 
     async def _chat_completions(self, request):
+        self.watch.serving(request.transport)
+        try:
+            return await self._chat_completions_served(request)
+        finally:
+            self.watch.served(request.transport)
+
+    async def _chat_completions_served(self, request):
         from aiohttp import web
 
         session = self._session(request)
