@@ -312,3 +312,37 @@ def test_an_agent_that_breaks_mid_run_stops_it_with_a_checkpoint_and_one_line(tm
     assert "16 of 16 agent episodes failed" in printed.err and "ConnectionError: the agent's sandbox went away" in printed.err
     assert "Traceback" not in printed.err
     assert "resume with --ckpt_path" in printed.out and next(tmp_path.rglob("last.ckpt")).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_each_serve_their_own_agent_episodes(tmp_path):
+    """`gspo fit` on 2 DDP ranks (gloo): each rank runs its own endpoint and agents, and the step's
+    agent counts are the totals over both."""
+    import os
+    import subprocess
+    import sys
+
+    config = agent_config(tmp_path, steps=2, **{"objective.old_logprobs": "engine"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", config,
+                             "--trainer.devices=2", "--trainer.strategy=ddp"], env=env, capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("reward/mean")]
+    episodes = 4 * 4  # rollout_batch_size prompts x group, over both ranks
+    assert len(logged) == 2 and all(float(r["agent/calls"]) >= episodes for r in logged), logged
+    assert all(float(r["agent/errors"]) == 0 for r in logged)
+    assert max(float(r["engine/logprob_abs_diff"]) for r in logged) < 1e-4
+
+
+def test_gspo_token_gives_each_agent_turn_its_own_advantage(tmp_path):
+    """turn_advantages with agent episodes: the turns of an episode are recorded with their turn
+    index, so GSPO-token's per-turn returns apply as for built-in episodes."""
+    from gspo_lightning.cli import main
+
+    main(["fit", "--config", agent_config(tmp_path, steps=1, **{"episodes.turn_advantages": True,
+                                                                  "objective.importance_sampling": "seq-token"})])
+    logged = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("reward/mean")]
+    assert len(logged) == 1 and float(logged[0]["agent/calls"]) >= 16

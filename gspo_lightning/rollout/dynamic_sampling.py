@@ -110,9 +110,11 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
 
 
 def _mean_stats(stats: list[dict[str, float]]) -> dict[str, float]:
-    """The episodes' counts over every round of the step (each round's mean, averaged)."""
+    """The episodes' counts over every round of the step (each round's mean, averaged; the
+    agents' counts, ``agent/...``, summed: they are the step's totals)."""
     names = {name for s in stats for name in s}
-    return {name: sum(s.get(name, 0.0) for s in stats) / len(stats) for name in sorted(names)}
+    return {name: sum(s.get(name, 0.0) for s in stats) / (1 if name.startswith("agent/") else len(stats))
+            for name in sorted(names)}
 
 
 class DynamicSampler:

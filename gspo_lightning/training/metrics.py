@@ -7,9 +7,9 @@ from typing import Union
 
 import torch
 from torch import Tensor, nn
-from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric
+from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, SumMetric
 
-_KINDS = {"mean": MeanMetric, "max": MaxMetric, "min": MinMetric}
+_KINDS = {"mean": MeanMetric, "max": MaxMetric, "min": MinMetric, "sum": SumMetric}
 
 
 class StepMetrics(nn.Module):
@@ -88,7 +88,9 @@ def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     m.update("advantage/mean", advantages[valid].mean() if valid.any() else 0.0, valid.sum())
     m.update("reward/errors", float(rollout.reward_errors), kind="max")
     for name, value in rollout.episode_stats.items():  # episodes: turns, tool calls and errors, endings
-        if name != "episode/environment_token_frac":
+        if name.startswith("agent/"):  # the agents' counts: the step's totals over every rank
+            m.update(name, value, kind="sum")
+        elif name != "episode/environment_token_frac":
             m.update(name, value, lengths.numel())
     if rollout.turn_of_token is not None:
         # a ratio of tokens, weighted by tokens: the same over any number of ranks (and over the
