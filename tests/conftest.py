@@ -8,6 +8,9 @@ import torch
 # threads each spin against each other.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rollout servers always need a secret: the servers these tests start in process, and the trainers
+# that call them, share this one (tests of a missing or wrong secret remove or change it)
+os.environ.setdefault("GSPO_SERVER_TOKEN", "tests-" + __import__("secrets").token_hex(16))
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 

@@ -1,6 +1,7 @@
 """Small helpers shared by several test files."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -44,7 +45,7 @@ def serve_in_thread(model: str, engine: dict, *, prompt_length: int = 8, respons
     server = RolloutServer(ServerSpec(model, prompt_length=prompt_length, response_length=response_length, seed=seed,
                                       engine=engine, lora=lora), **server_kwargs)
     server.start()
-    httpd = http_server(server, "127.0.0.1", 0)
+    httpd = http_server(server, "127.0.0.1", 0, secret=os.environ["GSPO_SERVER_TOKEN"])
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return server, httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 

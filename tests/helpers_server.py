@@ -3,6 +3,8 @@ prompts for it, and a server started (and stopped) on a given localhost port in 
 
 from __future__ import annotations
 
+import os
+
 import socket
 import threading
 
@@ -39,7 +41,7 @@ def serve_on(port: int):
 
     app = RolloutServer(ServerSpec(MODEL, prompt_length=8, response_length=6, engine=HF))
     app.start()
-    httpd = http_server(app, "127.0.0.1", port)
+    httpd = http_server(app, "127.0.0.1", port, secret=os.environ["GSPO_SERVER_TOKEN"])
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return app, httpd
 

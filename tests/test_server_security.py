@@ -153,7 +153,7 @@ def test_the_secret_is_compared_in_constant_time(monkeypatch):
     assert authorized(f"Bearer {SECRET}", SECRET) and authorized(f"bearer  {SECRET} ", SECRET)
     assert not authorized(f"Basic {SECRET}", SECRET) and not authorized(None, SECRET)
     assert len(calls) == 4  # every check went through compare_digest, a wrong scheme too
-    assert authorized(None, None)  # a server without a secret (loopback only) asks for none
+    assert not authorized(None, None) and not authorized(f"Bearer {SECRET}", None)  # no secret: nothing is authorized
 
 
 def test_a_secret_comes_from_the_environment_or_a_file_and_must_be_long(tmp_path):
@@ -194,9 +194,55 @@ def test_gspo_serve_refuses_to_serve_other_machines_without_a_secret(monkeypatch
     assert "0.0.0.0" not in out and "GSPO_SERVER_TOKEN" in out and "--max_body_mb" in out
 
 
-def test_http_server_binds_no_other_address_without_a_secret(served):
-    with pytest.raises(ValueError, match="needs a secret"):
-        http_server(served.app, "0.0.0.0", 0)
+def test_http_server_binds_no_address_without_a_secret(served):
+    for host in ("0.0.0.0", "127.0.0.1"):  # loopback too: other users of the machine reach it
+        with pytest.raises(ValueError, match="needs a secret"):
+            http_server(served.app, host, 0)
+
+
+def test_gspo_serve_given_no_secret_makes_one_only_its_user_can_read(tmp_path, monkeypatch):
+    """A stranger on the machine (any process without the secret) can neither push weights nor hand
+    the server an NCCL rendezvous; the trainer's user reads the secret from the printed file."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GSPO_SERVER_TOKEN"}
+    env.update(XDG_RUNTIME_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    server = subprocess.Popen([sys.executable, "-m", "gspo_lightning.cli", "serve", "--config",
+                               str(ROOT / "configs/quickstart_server.yaml"), "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = [server.stdout.readline() for _ in range(2)]
+        url = lines[0].split(" on ")[1].split(" ")[0]
+        secret_file = Path(lines[1].split("token_file=")[1].strip())
+        assert secret_file.parent == tmp_path / "gspo-lightning"
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600 and stat.S_IMODE(secret_file.parent.stat().st_mode) == 0o700
+        secret = read_secret(str(secret_file))
+        stranger = [("/weights", {"token": "t", "version": 1, "manifest": {"kind": "folder", "path": str(tmp_path)}}),
+                    ("/weights", {"token": "t", "version": 1, "manifest": {"kind": "nccl", "host": "10.0.0.9", "port": 29500,
+                                                                           "world_size": 2}}),
+                    ("/session", {"token": "t"}), ("/info", None)]
+        for path, body in stranger:
+            with pytest.raises(RolloutServerError, match=r"\(401\)"):
+                request_json(url, path, body, timeout=10, secret=None)
+            with pytest.raises(RolloutServerError, match=r"\(401\)"):
+                request_json(url, path, body, timeout=10, secret="a-guess-of-enough-characters-000")
+        assert request_json(url, "/info", timeout=10, secret=secret)["version"] == -1  # its user's trainer is served
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert not secret_file.exists()  # removed with the server
+
+
+def test_a_weights_folder_others_can_write_into_is_refused(served, tmp_path):
+    """/dev/shm is shared: a folder any user may write into is not the trainer's."""
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(ValueError, match="others may write into it"):
+        FolderTransport(path=str(tmp_path)).folder_of({"path": str(folder)})
 
 
 def test_the_trainer_sends_the_secret_from_its_environment_or_a_token_file(served, monkeypatch, tmp_path):

@@ -254,6 +254,12 @@ class FolderTransport(WeightTransport):
         real = Path(os.path.realpath(lexical))
         if not _strictly_inside(real, root) or not real.is_dir():
             raise refusal
+        status = real.stat()
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            # /dev/shm is everyone's: a folder another user made (or may write into) is not the trainer's
+            raise ValueError(f"weights folder {str(given)[:200]!r} belongs to another user or others may write into it "
+                             f"(owner uid {status.st_uid}, mode {oct(status.st_mode & 0o777)}): a server loads only weights "
+                             "its own user wrote, in folders nobody else can change (a FolderTransport makes them so)")
         return real
 
     def receive(self, manifest: Manifest) -> Iterator[tuple[str, Tensor]]:

@@ -68,9 +68,9 @@ def weights_root_from_config(config: dict) -> Optional[str]:
     return (transport.get("init_args") or {}).get("path") if isinstance(transport, dict) else None
 
 
-SECURITY = """security: with a secret ($GSPO_SERVER_TOKEN, or --token_file) every request but GET /health
-must carry it, as the trainer does from its own $GSPO_SERVER_TOKEN or model.engine.init_args.token_file.
-Without a secret the server binds loopback addresses only (and anyone on this machine may use it).
+SECURITY = """security: every request but GET /health must carry the server's secret ($GSPO_SERVER_TOKEN, or
+--token_file), as the trainer does from its own $GSPO_SERVER_TOKEN or model.engine.init_args.token_file.
+Given none, the server makes one and writes it to a file only you can read (its path is printed).
 The secret authenticates, it does not encrypt: across machines use an SSH tunnel, or a TLS proxy in
 front of a loopback server (docs/scaling.md#security)."""
 
@@ -107,7 +107,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    from gspo_lightning.rollout.server.auth import SECRET_ENV, is_loopback, read_secret
+    from gspo_lightning.rollout.server.auth import SECRET_ENV, is_loopback, make_secret, read_secret, write_secret_file
 
     try:
         secret = read_secret(args.token_file)
@@ -116,7 +116,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if secret is None and not is_loopback(args.host):
         raise SystemExit(f"gspo serve: error: --host {args.host} serves other machines, and no secret is set: set "
                          f"{SECRET_ENV} (or --token_file) here and on the trainer, and reach the server through an SSH "
-                         "tunnel or a TLS proxy (docs/scaling.md#security); without a secret, serve 127.0.0.1 only")
+                         "tunnel or a TLS proxy (docs/scaling.md#security)")
+    secret_file = None
+    if secret is None:  # never without one: other users of this machine reach loopback too
+        secret = make_secret()
+        secret_file = write_secret_file(secret, f"serve-{os.getpid()}.token")
     from gspo_lightning.rollout.server.host import RolloutServer, ServerSpec  # torch from here on
     from gspo_lightning.rollout.server.http import http_server
     from gspo_lightning.rollout.server.limits import ServerLimits
@@ -154,8 +158,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True).start()
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     print(f"gspo serve: {spec.model_name_or_path} with {app.identity['engine']} on http://{args.host}:{port} "
-          f"(pid {os.getpid()}; {'secret required' if secret else 'no secret: this machine only'}; weights read "
-          f"under {app.weights_root})", flush=True)
+          f"(pid {os.getpid()}; secret required; weights read under {app.weights_root})", flush=True)
+    if secret_file is not None:
+        print(f"gspo serve: no secret was given: made one in {secret_file} (readable by you only); on the trainer set "
+              f"model.engine.init_args.token_file={secret_file}", flush=True)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))
@@ -168,6 +174,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     httpd.shutdown()
     httpd.server_close()
     app.close()
+    if secret_file is not None:
+        secret_file.unlink(missing_ok=True)
 
 
 def watch_parent(pid: int, stop: threading.Event) -> None:

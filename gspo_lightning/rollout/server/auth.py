@@ -4,8 +4,10 @@ Server and trainer hold the same secret, from ``GSPO_SERVER_TOKEN`` in their env
 from a file (``gspo serve --token_file``, ``RemoteEngine(token_file=...)``; never a value in a
 config file, which is saved to the run folder). Every request but ``GET /health`` carries it
 as ``Authorization: Bearer <secret>``; the server compares it in constant time. A server
-without a secret binds only loopback addresses. The secret authenticates, it does not
-encrypt: across machines, put the server behind a TLS proxy or an SSH tunnel
+always has one, loopback included (other users share machines): ``gspo serve`` given none
+makes one and writes it to a file only its user can read (:func:`write_secret_file`), and a
+trainer that starts its own server gives it a fresh one. The secret authenticates, it does
+not encrypt: across machines, put the server behind a TLS proxy or an SSH tunnel
 (docs/scaling.md#security).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import secrets
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -51,13 +54,39 @@ def bearer(secret: Optional[str]) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"} if secret else {}
 
 
+def make_secret() -> str:
+    """A fresh secret: 256 random bits as hex."""
+    return secrets.token_hex(32)
+
+
+def secrets_folder() -> Path:
+    """Where ``gspo serve`` writes a secret it made: ``$XDG_RUNTIME_DIR/gspo-lightning`` (a
+    per-user folder the system clears at logout) or ``~/.cache/gspo-lightning/secrets``, 0700."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(runtime) / "gspo-lightning" if runtime and os.path.isdir(runtime) else \
+        Path.home() / ".cache" / "gspo-lightning" / "secrets"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder.chmod(0o700)
+    return folder
+
+
+def write_secret_file(secret: str, name: str) -> Path:
+    """``secret`` in ``secrets_folder()/name``, created readable and writable by this user only."""
+    path = secrets_folder() / name
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secret + "\n")
+    return path
+
+
 def authorized(header: Optional[str], secret: Optional[str]) -> bool:
-    """Whether an ``Authorization`` header carries ``secret`` (always, for a server without one).
+    """Whether an ``Authorization`` header carries ``secret`` (never, without one).
 
     ``hmac.compare_digest`` takes as long for a wrong secret as for a nearly right one, so
     the time of a refusal tells nothing about the secret."""
-    if secret is None:
-        return True
+    if not secret:
+        return False
     scheme, _, given = (header or "").partition(" ")
     # compared even for a wrong scheme: a refusal takes the same time whatever was sent
     return hmac.compare_digest(given.strip().encode(), secret.encode()) and scheme.lower() == "bearer"
@@ -74,4 +103,5 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-__all__ = ["MIN_SECRET_CHARS", "SECRET_ENV", "authorized", "bearer", "is_loopback", "read_secret"]
+__all__ = ["MIN_SECRET_CHARS", "SECRET_ENV", "authorized", "bearer", "is_loopback", "make_secret", "read_secret",
+           "secrets_folder", "write_secret_file"]

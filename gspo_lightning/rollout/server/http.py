@@ -20,8 +20,8 @@
                          unpadded), ``truncated``, ``version``, ``checksum``
 =======================  =================================================================
 
-With a secret (``auth.py``) every route but ``/health`` needs ``Authorization: Bearer
-<secret>`` (else 401, and nothing is read or done). Errors reply ``{"error": "...", "kind":
+Every route but ``/health`` needs ``Authorization: Bearer <secret>`` (``auth.py``; a server
+always has one), else 401, and nothing is read or done. Errors reply ``{"error": "...", "kind":
 ...}`` with status 400 (a bad request), 401, 404, 411 (no ``Content-Length``), 413 (a body
 above ``max_body_mb``), 409 (held by another trainer, or not at the requested version), 503
 (``max_connections`` busy: retry) or 500.
@@ -185,11 +185,13 @@ class RolloutHTTPServer(ThreadingHTTPServer):
 def http_server(app: RolloutServer, host: str = "127.0.0.1", port: int = 0,
                 secret: Optional[str] = None) -> RolloutHTTPServer:
     """An HTTP server answering :data:`ROUTES` for ``app`` under ``app.limits`` (not yet
-    serving: call ``serve_forever``). Without a ``secret`` it binds only loopback addresses."""
-    if secret is None and not is_loopback(host):
-        raise ValueError(f"a rollout server reachable from other machines (--host {host}) needs a secret: set "
-                         "GSPO_SERVER_TOKEN (or --token_file) on the server and the trainer, and reach it through a TLS "
-                         "proxy or an SSH tunnel (docs/scaling.md#security); or serve 127.0.0.1")
+    serving: call ``serve_forever``). It needs a ``secret`` wherever it listens: on loopback
+    too, other users of the machine reach it."""
+    if not secret:
+        where = "other machines" if not is_loopback(host) else "every user of this machine"
+        raise ValueError(f"a rollout server on {host} is reachable by {where}: it needs a secret (GSPO_SERVER_TOKEN or "
+                         "--token_file on the server and the trainer; `gspo serve` makes one when given none), and across "
+                         "machines a TLS proxy or an SSH tunnel (docs/scaling.md#security)")
     return RolloutHTTPServer((host, port), handler_for(app), app.limits, secret)
 
 
