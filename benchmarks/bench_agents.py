@@ -12,7 +12,13 @@ lookup model, the Hugging Face engine, ``OMP_NUM_THREADS=--threads`` in both:
 Prints the median step time of each arm (the first step left out: it starts the engine) and
 each agent arm's ratio to its built-in twin; ``--json`` keeps the numbers.
 
+``--client``: what the ``openai`` client itself costs per call, apart from any model: 512
+concurrent episodes of 3 calls against a stub server that answers after 20 ms, with httpx's
+default connection pool, with the pool bounded to 32 connections (the example agents'
+``agent_client.py``), and with a new client per episode.
+
     python benchmarks/bench_agents.py --steps 6
+    python benchmarks/bench_agents.py --client
 """
 
 from __future__ import annotations
@@ -71,6 +77,70 @@ def run_arm(arm: str, steps: int, threads: int, slow_prompts: int, workdir: Path
     return out
 
 
+def client_cost(episodes: int = 512, calls: int = 3, delay_s: float = 0.02) -> dict:
+    """ms per call of the openai client against a stub server (see the module's docstring)."""
+    import asyncio
+    import threading
+
+    import openai
+    from aiohttp import web
+
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "usage": {
+        "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "3"}, "finish_reason": "stop", "logprobs": None}]}
+
+    async def answer(request):
+        await request.json()
+        await asyncio.sleep(delay_s)  # the engine's batch
+        return web.json_response(reply)
+
+    loop, port = asyncio.new_event_loop(), []
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        runner = web.AppRunner(app, access_log=None)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        port.append(site._server.sockets[0].getsockname()[1])
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    while not port:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{port[0]}/v1"
+
+    async def run(kind: str) -> float:
+        shared = None
+        if kind == "default pool":
+            shared = openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0)
+        elif kind == "pool of 32":
+            limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+            shared = openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0,
+                                        http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+
+        async def episode(i: int) -> None:
+            client = shared.with_options(api_key=f"k{i}") if shared else openai.AsyncOpenAI(
+                base_url=url, api_key=f"k{i}", max_retries=0)
+            for _ in range(calls):
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "find c"}])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(episode(i) for i in range(episodes)))
+        return round((time.perf_counter() - started) / (episodes * calls) * 1000, 2)
+
+    results = {}
+    for kind in ("default pool", "pool of 32", "new client per episode") * 2:  # alternating, twice
+        results.setdefault(kind, []).append(asyncio.run(run(kind)))
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", default="builtin,agent,builtin-slow,agent-slow")
@@ -78,7 +148,13 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slow-prompts", type=int, default=4, help="prompts per step of the slow arms (8 episodes each)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--client", action="store_true", help="the openai client's own cost per call (see above)")
     args = parser.parse_args(argv)
+    if args.client:
+        print(f"load {load()}; ms per call, two alternating runs each:")
+        for kind, values in client_cost().items():
+            print(f"  {kind}: {values}")
+        return 0
     workdir = Path(tempfile.mkdtemp(prefix="gspo-bench-agents-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     results = {}
