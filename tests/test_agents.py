@@ -139,6 +139,16 @@ def test_streaming_replies_carry_tool_calls_usage_and_token_ids():
         assert reply.choices[0].model_extra["token_ids"] == [DIGIT[3], EOS]
         assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx([-0.1, -0.2])
         assert session.forks == 0 and session.segment.turns == 2
+        # a new conversation: tool_choice none leaves the call in the text; a stop string ends the turn
+        # at the token that completes it (what follows is not recorded: the next call continues from there)
+        fresh = [{"role": "user", "content": "find a"}]
+        plain = client.chat.completions.create(model="tiny-lookup", messages=fresh, tools=TOOLS, tool_choice="none")
+        assert plain.choices[0].message.content == "get a" and not plain.choices[0].message.tool_calls
+        cut = client.chat.completions.create(model="tiny-lookup", messages=fresh, tools=TOOLS, stop=[" a"],
+                                             extra_body={"return_token_ids": True})
+        assert cut.choices[0].message.content == "get" and cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].model_extra["token_ids"] == [GET, KEY["a"]]
+        assert session.forks == 2 and session.segment.ids == [GET, KEY["a"]]
     finally:
         agents.endpoint.end_episode(session)
         server.join(timeout=10)
