@@ -59,7 +59,7 @@ def run_arm(arm: str, steps: int, threads: int, slow_prompts: int, workdir: Path
     command = [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(ROOT / config),
                f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false",
                "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false",
-               "--model.export_on_fit_end=false", "--model.objective.old_logprobs=engine", *overrides]
+               "--model.export_on_fit_end=false", "--export=last", "--model.objective.old_logprobs=engine", *overrides]
     before = load()
     started = time.time()
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir)
