@@ -130,10 +130,15 @@ def client_cost(episodes: int = 512, calls: int = 3, delay_s: float = 0.02) -> d
                 base_url=url, api_key=f"k{i}", max_retries=0)
             for _ in range(calls):
                 await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "find c"}])
+            if shared is None:
+                await client.close()
 
         started = time.perf_counter()
         await asyncio.gather(*(episode(i) for i in range(episodes)))
-        return round((time.perf_counter() - started) / (episodes * calls) * 1000, 2)
+        seconds = time.perf_counter() - started
+        if shared is not None:
+            await shared.close()  # its connections belong to this loop
+        return round(seconds / (episodes * calls) * 1000, 2)
 
     results = {}
     for kind in ("default pool", "pool of 32", "new client per episode") * 2:  # alternating, twice
