@@ -84,3 +84,37 @@ def logged(folder: Path) -> list[dict]:
     for file in sorted(folder.glob("csv/version_*/metrics.csv")):
         rows += [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(open(file)) if r.get("reward/mean")]
     return rows
+
+
+_failures = {"environment_steps": 0, "engine_calls": 0}
+
+
+class FailsOnceEnvironment(LookupEnvironment):
+    """The lookup environment, raising once: at its 20th step() of the process (in the second
+    step of a 4 x 4 lookup run), as a sandbox that goes away would."""
+
+    def step(self, assistant_message: dict) -> StepResult:
+        _failures["environment_steps"] += 1
+        if _failures["environment_steps"] == 20:
+            raise ConnectionError("the sandbox went away")
+        return super().step(assistant_message)
+
+
+class FailsOnceEngine(RolloutEngine):
+    """The Hugging Face engine, raising once, at its 3rd generate of the process (the second step)."""
+
+    def __init__(self):
+        super().__init__()
+        from gspo_lightning.rollout.hf import HFEngine
+
+        self.inner = HFEngine()
+        self.shares_policy_weights = True
+
+    def start(self, spec):
+        self.inner.start(spec)
+
+    def generate(self, prompt_ids, n, params, seed):
+        _failures["engine_calls"] += 1
+        if _failures["engine_calls"] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.inner.generate(prompt_ids, n, params, seed)

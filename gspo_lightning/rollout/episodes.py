@@ -30,6 +30,7 @@ import torch
 
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.multi_turn import MultiTurn
+from gspo_lightning.errors import EpisodeError
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 # how an episode ended
@@ -176,7 +177,7 @@ def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generatio
             result = episode.environment.step(message)
         except Exception as err:  # noqa: BLE001 - user code: reported with the episode's context
             if multi_turn.on_environment_error == "raise":
-                raise RuntimeError(f"the environment {type(episode.environment).__name__} raised in step() at turn "
+                raise EpisodeError(f"the environment {type(episode.environment).__name__} raised in step() at turn "
                                    f"{episode.turns + 1} ({type(err).__name__}: {err}); fix it, or set "
                                    f"model.episodes.on_environment_error=end to end such episodes there") from err
             episode.turn_rewards.append(0.0)

@@ -275,14 +275,14 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix (config values, files, reward functions, a learning
     rate that blows up): they print as one message. Anything else keeps its traceback."""
     from gspo_lightning.data.datamodule import DataError
-    from gspo_lightning.errors import AgentError, NonFiniteError, RolloutServerError
+    from gspo_lightning.errors import AgentError, EpisodeError, NonFiniteError, RolloutServerError
     from gspo_lightning.rewards.base import RewardError
 
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     # MisconfigurationException: Lightning's refusal of a value (--trainer.max_steps=-5)
     return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError, AgentError,
-            MisconfigurationException)
+            EpisodeError, MisconfigurationException)
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -141,3 +141,13 @@ class PreemptionCheckpoint(L.Callback):
             if trainer.is_global_zero:
                 print(f"no rollouts at step {trainer.global_step + 1}; the run up to step {trainer.global_step} is saved in "
                       f"{path}: once a rollout server is up, resume with --ckpt_path {path}", flush=True)
+        elif trainer.global_step > 0 and not getattr(pl_module, "updating", True) and isinstance(exception, Exception):
+            # any other failure before the step's update (an environment, an engine, a bug in the
+            # rollout): the weights are the last finished step's, so that step is kept
+            path = checkpoint_dir(trainer) / "last.ckpt"
+            trainer.save_checkpoint(path, weights_only=False)
+            if trainer.is_global_zero:
+                cause = f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}"
+                print(f"the run stopped at step {trainer.global_step + 1} ({cause[:300]}); the run up to step "
+                      f"{trainer.global_step} is saved in {path}: fix the cause, then resume with --ckpt_path {path}",
+                      flush=True)

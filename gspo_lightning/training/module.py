@@ -168,6 +168,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
         self.running_rewards = RunningMoments()
+        self.updating = False  # True while a step's optimizer steps run (run/preemption.py reads it)
         self.step_metrics = StepMetrics()
         self.val_metrics = StepMetrics()
         self.updater: Optional[PolicyUpdater] = None
@@ -406,10 +407,12 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         ops = StrategyOps(self, self.trainer.strategy, self.optimizers(), self.lr_schedulers(), list(self.policy.parameters()),
                           self.grad_sync, scaling, cfg.update.max_grad_norm)
         PHASES.begin_update(self.updater.settings, rollout.num_responses)
+        self.updating = True  # until the update ends the weights are no step boundary's (a failure's checkpoint waits)
         self.policy_version += self.updater.run(
             rollout, advantages, old, ref, lambda rows: forward(rollout, rows), ops,
             routing_recorder=self.routing_recorder, generator=generator, is_weights=is_weights,
         )
+        self.updating = False
         time_train = time.perf_counter() - start
         self.rollout_steps += 1
         self._trained_this_fit = True
