@@ -41,6 +41,12 @@ class Preempted(Exception):
         self.path = path
 
 
+# failures of a step's rollout that have their own line: (error type, what happened, what to do first)
+ROLLOUT_FAILURES = ((RewardError, "a reward function failed", "fix the function, then"),
+                    (AgentError, "the agent failed", "fix the agent, then"),
+                    (RolloutServerError, "no rollouts", "once a rollout server is up,"))
+
+
 class PreemptionCheckpoint(L.Callback):
     def __init__(self) -> None:
         self.interrupted = False
@@ -122,32 +128,18 @@ class PreemptionCheckpoint(L.Callback):
             path = checkpoint_dir(trainer) / "nonfinite.ckpt"
             trainer.save_checkpoint(path, weights_only=False)
             log.error("stopped on non-finite updates; the state is saved in %s for inspection", path)
-        elif isinstance(exception, RewardError) and trainer.global_step > 0:
-            # the weights before the failing step: resume after fixing the reward function
-            path = checkpoint_dir(trainer) / "last.ckpt"
-            trainer.save_checkpoint(path, weights_only=False)
-            print(f"a reward function failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} "
-                  f"is saved in {path}: fix the function, then resume with --ckpt_path {path}", flush=True)
-        elif isinstance(exception, AgentError) and trainer.global_step > 0:
-            path = checkpoint_dir(trainer) / "last.ckpt"
-            trainer.save_checkpoint(path, weights_only=False)
-            if trainer.is_global_zero:
-                print(f"the agent failed at step {trainer.global_step + 1}; the run up to step {trainer.global_step} is "
-                      f"saved in {path}: fix the agent, then resume with --ckpt_path {path}", flush=True)
-        elif isinstance(exception, RolloutServerError) and trainer.global_step > 0:
-            # the rollout server is gone: keep the run up to the last finished step
+        elif trainer.global_step > 0 and isinstance(exception, Exception) and not getattr(pl_module, "updating", True):
+            # a failure before the step's update (reward functions, agents, environments, engines, a
+            # lost rollout server, a bug in the rollout): the weights are the last finished step's
+            what, fix = next(((w, f) for kind, w, f in ROLLOUT_FAILURES if isinstance(exception, kind)), (None, None))
+            if what is None:
+                first_line = str(exception).splitlines()[0] if str(exception) else ""
+                what, fix = "the run stopped", "fix the cause, then"
+                detail = f" ({type(exception).__name__}: {first_line})"[:300]
+            else:
+                detail = ""
             path = checkpoint_dir(trainer) / "last.ckpt"
             trainer.save_checkpoint(path, weights_only=False)
             if trainer.is_global_zero:
-                print(f"no rollouts at step {trainer.global_step + 1}; the run up to step {trainer.global_step} is saved in "
-                      f"{path}: once a rollout server is up, resume with --ckpt_path {path}", flush=True)
-        elif trainer.global_step > 0 and not getattr(pl_module, "updating", True) and isinstance(exception, Exception):
-            # any other failure before the step's update (an environment, an engine, a bug in the
-            # rollout): the weights are the last finished step's, so that step is kept
-            path = checkpoint_dir(trainer) / "last.ckpt"
-            trainer.save_checkpoint(path, weights_only=False)
-            if trainer.is_global_zero:
-                cause = f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}"
-                print(f"the run stopped at step {trainer.global_step + 1} ({cause[:300]}); the run up to step "
-                      f"{trainer.global_step} is saved in {path}: fix the cause, then resume with --ckpt_path {path}",
-                      flush=True)
+                print(f"{what} at step {trainer.global_step + 1}{detail}; the run up to step {trainer.global_step} is saved "
+                      f"in {path}: {fix} resume with --ckpt_path {path}", flush=True)
