@@ -356,3 +356,27 @@ def test_gspo_token_gives_each_agent_turn_its_own_advantage(tmp_path):
                                                                   "objective.importance_sampling": "seq-token"})])
     logged = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("reward/mean")]
     assert len(logged) == 1 and float(logged[0]["agent/calls"]) >= 16
+
+
+def test_agent_episodes_with_batches_that_wait_for_every_agent_resume_bit_for_bit(tmp_path, monkeypatch):
+    """episodes.batch_window_s: null: each generation holds every live episode's next call, in
+    episode order, so a run that stops and resumes samples and ends as the straight run."""
+    import torch
+
+    from gspo_lightning.cli import main
+    from tests.helpers_fit import metric_rows, policy_state
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # no timed thread choice
+    window = {"episodes.batch_window_s": None, "objective.old_logprobs": "engine"}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    main(["fit", "--config", agent_config(straight, steps=4, **window), f"--trainer.default_root_dir={straight}",
+          "--checkpoint.dirpath", str(straight / "ckpt")])
+    main(["fit", "--config", agent_config(resumed, steps=2, **window), "--checkpoint.dirpath", str(resumed / "ckpt")])
+    main(["fit", "--config", agent_config(resumed, steps=4, **window), "--checkpoint.dirpath", str(resumed / "ckpt"),
+          "--ckpt_path", str(resumed / "ckpt" / "last.ckpt")])
+    a, b = policy_state(straight / "ckpt" / "last.ckpt"), policy_state(resumed / "ckpt" / "last.ckpt")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    rows_a, rows_b = metric_rows(straight), metric_rows(resumed)
+    assert sorted(rows_a) == sorted(rows_b) and len(rows_a) == 4
+    for version in rows_a:
+        assert rows_a[version] == rows_b[version], version

@@ -39,6 +39,9 @@ class MultiTurn:
         endpoint_host: where the endpoint listens (loopback by default; every call needs its
             episode's key wherever it listens).
         endpoint_port: its port (0: a free one, passed to the agent in ``base_url``).
+        batch_window_s: how long a call waits for others to join its generation (an agent busy in
+            a slow tool does not hold the others back); ``null``: until every running agent's
+            call is in, so agents that act alike sample alike in every run (exact resume).
         max_turns: assistant turns per episode at most.
         max_turn_tokens: tokens one assistant turn may sample (``null``: what is left of the
             episode's budget, ``response_length``).
@@ -64,7 +67,8 @@ class MultiTurn:
                  system_prompt_for_tools: Optional[str] = DEFAULT_TOOLS_SYSTEM_PROMPT, end_of_turn: Optional[str] = None,
                  template_kwargs: Optional[dict] = None, agent: Optional[str] = None,
                  tool_call_parser: Optional[ToolCallParser] = None, max_concurrent: Optional[int] = None,
-                 agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0):
+                 agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0,
+                 batch_window_s: Optional[float] = 0.05):
         if (environment is None) == (agent is None):
             raise ValueError("model.episodes needs exactly one of environment (the runner owns the loop) and agent (your "
                              "program owns it and calls the endpoint); got "
@@ -73,6 +77,8 @@ class MultiTurn:
             raise ValueError(f"episodes.max_concurrent must be >= 1 or null (the whole rollout batch), got {max_concurrent}")
         if not agent_timeout_s > 0:
             raise ValueError(f"episodes.agent_timeout_s must be positive, got {agent_timeout_s}")
+        if batch_window_s is not None and not batch_window_s >= 0:
+            raise ValueError(f"episodes.batch_window_s must be >= 0 or null, got {batch_window_s}")
         if not 0 <= endpoint_port < 65536:
             raise ValueError(f"episodes.endpoint_port must be in 0..65535 (0: a free port), got {endpoint_port}")
         self.agent = agent
@@ -82,6 +88,7 @@ class MultiTurn:
         self.agent_timeout_s = agent_timeout_s
         self.endpoint_host = endpoint_host
         self.endpoint_port = endpoint_port
+        self.batch_window_s = batch_window_s
         if max_turns < 1:
             raise ValueError(f"episodes.max_turns must be >= 1, got {max_turns}")
         if max_turn_tokens is not None and max_turn_tokens < 1:

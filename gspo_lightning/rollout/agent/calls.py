@@ -2,7 +2,10 @@
 the engine (the rollout's), and batched there: calls that arrive together are one generation.
 
 A batch is taken when every running agent is waiting on a call, or ``window_s`` after the
-oldest waiting call arrived (an agent busy in a slow tool does not hold the others back).
+oldest waiting call arrived (an agent busy in a slow tool does not hold the others back). With
+``window_s=None`` a batch waits for every running agent: each batch is then the next call of
+every live episode, and (sorted by episode, as every batch is) the same in every run of
+agents that act alike, so sampling is reproducible (a resumed run samples as the straight one).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class QueuedCall:
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    episode: int = 0  # the episode's index in the rollout: a batch's rows are in this order
     arrived: float = field(default_factory=time.monotonic)
 
     def resolve(self, result: Any = None, error: Optional[BaseException] = None) -> None:
@@ -39,7 +43,7 @@ class QueuedCall:
 class CallQueue:
     """Thread-safe: the endpoint submits, the rollout thread takes batches."""
 
-    def __init__(self, window_s: float = 0.05):
+    def __init__(self, window_s: Optional[float] = 0.05):
         self.window_s = window_s
         self._cond = threading.Condition()
         self._pending: list[QueuedCall] = []
@@ -80,10 +84,14 @@ class CallQueue:
                 self._cond.wait(poll_s)
             if not self._pending:
                 return []
-            deadline = self._pending[0].arrived + self.window_s
-            while len(self._pending) < self._running and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            batch, self._pending = self._pending, []
+            if self.window_s is None:  # every running agent's call: reproducible batches
+                while len(self._pending) < self._running:
+                    self._cond.wait()
+            else:
+                deadline = self._pending[0].arrived + self.window_s
+                while len(self._pending) < self._running and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
+            batch, self._pending = sorted(self._pending, key=lambda call: call.episode), []
             return batch
 
     def fail_pending(self, error: BaseException) -> None:

@@ -69,12 +69,13 @@ class AgentEndpoint:
         max_body_mb / request_timeout_s: bounds on what a request may send and how long it may take
             (a connection idle for ``request_timeout_s``, or half a request, is closed).
         max_connections: connections at once; more are closed as they open.
-        window_s: how long the first waiting call waits for others to join its generation.
+        window_s: how long the first waiting call waits for others to join its generation (``None``:
+            until every running agent's call is in, for reproducible sampling).
     """
 
     def __init__(self, tokenizer, parser: ToolCallParser, renderer_options: dict, model_name: str,
                  host: str = "127.0.0.1", port: int = 0, max_body_mb: float = 8.0, request_timeout_s: float = 60.0,
-                 max_connections: int = 4096, window_s: float = 0.05):
+                 max_connections: int = 4096, window_s: Optional[float] = 0.05):
         self.tokenizer = tokenizer
         self.parser = parser
         self.renderer_options = dict(renderer_options)
@@ -260,7 +261,7 @@ class AgentEndpoint:
                 session.budget_spent = True
                 return Reply({"role": "assistant", "content": ""}, "length", call.prompt_ids, [], [], [])
             loop = asyncio.get_running_loop()
-            queued = QueuedCall(call.prompt_ids, room, loop, loop.create_future())
+            queued = QueuedCall(call.prompt_ids, room, loop, loop.create_future(), episode=session.index)
             self.queue.submit(queued)
             ids, logprobs, truncated, version = await queued.future
             if not session.open:

@@ -58,7 +58,8 @@ class AgentRunner:
         self.model_name = model_name
         self.endpoint = AgentEndpoint(multi_turn.tokenizer, multi_turn.tool_call_parser, multi_turn.renderer_options,
                                       model_name, host=multi_turn.endpoint_host,
-                                      port=multi_turn.endpoint_port + local_rank if multi_turn.endpoint_port else 0)
+                                      port=multi_turn.endpoint_port + local_rank if multi_turn.endpoint_port else 0,
+                                      window_s=multi_turn.batch_window_s)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._printed: set[str] = set()
