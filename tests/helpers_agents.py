@@ -195,3 +195,16 @@ def agent_config(folder, steps: int = 2, **model) -> str:
     path = folder / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+_sdk_episodes = {"count": 0}
+
+
+async def alternating_calculator_agent(row, base_url, api_key, model):
+    """The Agents SDK calculator agent (gspo_lightning/data/tasks/calculator_agent.py), its
+    ``Runner.run_streamed`` form for every other episode: one run tries both."""
+    from gspo_lightning.data.tasks.calculator_agent import calculator_agent, streamed_calculator_agent
+
+    _sdk_episodes["count"] += 1
+    agent = streamed_calculator_agent if _sdk_episodes["count"] % 2 else calculator_agent
+    return await agent(row=row, base_url=base_url, api_key=api_key, model=model)

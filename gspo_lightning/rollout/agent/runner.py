@@ -90,7 +90,7 @@ class AgentRunner:
         limits = TurnLimits(temperature=params.temperature, top_p=params.top_p, response_length=params.max_new_tokens,
                             prompt_length=multi_turn.prompt_length, max_turn_tokens=multi_turn.max_turn_tokens)
         outcomes = [Outcome() for _ in sessions]
-        self.endpoint.open_episodes(sessions, limits)
+        self.endpoint.open_episodes(sessions, limits, multi_turn.max_concurrent)
         agents = asyncio.run_coroutine_threadsafe(self._run_agents(sessions, outcomes), self._loop)
         try:
             versions = self._sample_calls(engine, params, seed)
@@ -101,6 +101,12 @@ class AgentRunner:
             self.endpoint.close_episodes()
         agents.result()
         batch = self._batch(sessions, outcomes, prompts, group_size, engine)
+        if self.endpoint.queue.stalls and "stalls" not in self._printed:
+            self._printed.add("stalls")
+            print("agent episodes: with batch_window_s null a batch waited over 1 s for an agent's call and was taken "
+                  "without it (sampling is then not reproducible): the agent's client holds fewer connections than "
+                  "episodes run at once; raise its pool (httpx Limits) or lower model.episodes.max_concurrent (said once)",
+                  file=sys.stderr, flush=True)
         reported = [v for v in versions if v is not None]
         batch.generation.weights_version = min(reported) if reported else None
         self._report_failures(outcomes)
@@ -117,7 +123,6 @@ class AgentRunner:
 
         async def one(session: AgentSession, outcome: Outcome) -> None:
             async with gate:
-                self.endpoint.queue.agent_started()
                 try:
                     kwargs = dict(row=dict(session.row), base_url=self.endpoint.base_url, api_key=session.key,
                                   model=self.model_name)
