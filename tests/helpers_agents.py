@@ -209,32 +209,3 @@ async def alternating_calculator_agent(row, base_url, api_key, model):
     agent = streamed_calculator_agent if _sdk_episodes["count"] % 2 else calculator_agent
     return await agent(row=row, base_url=base_url, api_key=api_key, model=model)
 
-
-_wide_clients: dict = {}
-
-
-async def wide_pool_lookup_agent(row, base_url, api_key, model):
-    """gspo_lightning.data.tasks.lookup_agent's agent with a client whose pool admits every episode
-    at once (1024 connections), so each of batch_window_s null's batches holds every live episode."""
-    import openai
-
-    try:
-        import httpx2 as httpx
-    except ImportError:
-        import httpx
-    loop = asyncio.get_running_loop()
-    if loop not in _wide_clients:
-        _wide_clients.clear()
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-        _wide_clients[loop] = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
-                                                 http_client=openai.DefaultAsyncHttpxClient(limits=limits))
-    client = _wide_clients[loop].with_options(base_url=base_url, api_key=api_key)
-    table = dict(zip("abcdef", row["table"].split()))
-    messages = [{"role": "user", "content": row["prompt"]}]
-    for _ in range(3):
-        message = (await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)).choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            break
-        messages += _answer_calls(message, table)
-    return None
