@@ -123,7 +123,8 @@ def test_the_nccl_transport_says_what_it_needs_without_cuda(server):
     client = RemoteEngine(urls=[url])
     client.start(spec)
     with pytest.raises(RolloutServerError, match="NCCLTransport needs CUDA"):  # the server side says it too
-        request_json(url, "/weights", {"token": client.token, "version": 0, "manifest": {"kind": "nccl", "names": []}})
+        request_json(url, "/weights", {"token": client.token, "version": 0, "manifest": {"kind": "nccl", "names": []}},
+                     secret=os.environ["GSPO_SERVER_TOKEN"])
     client.close()
 
 
