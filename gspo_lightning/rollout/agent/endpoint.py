@@ -240,6 +240,8 @@ class AgentEndpoint:
     def _renderer(self, chat: ChatRequest) -> tuple[ChatRenderer, bool]:
         key = chat.tools_key
         if key not in self._renderers:
+            if len(self._renderers) >= 64:  # one per set of tools seen: bounded, whatever the agents send
+                self._renderers.clear()
             renderer = ChatRenderer(self.tokenizer, chat.tools, **self.renderer_options)
             self._renderers[key] = (renderer, re.search(r"\btool_calls\b", renderer.template) is not None)
         return self._renderers[key]
