@@ -100,7 +100,7 @@ class AgentRunner:
         finally:
             self.endpoint.close_episodes()
         agents.result()
-        batch = self._batch(sessions, outcomes, prompts, group_size, engine)
+        batch = self._batch(sessions, outcomes, prompts, group_size)
         if self.endpoint.queue.stalls and "stalls" not in self._printed:
             self._printed.add("stalls")
             print("agent episodes: with batch_window_s null a batch waited over 1 s for an agent's call and was taken "
@@ -185,8 +185,8 @@ class AgentRunner:
         return versions
 
     # -- the record as a batch -----------------------------------------------------------------
-    def _batch(self, sessions: list[AgentSession], outcomes: list[Outcome], prompts: list[Any], group_size: int,
-               engine: RolloutEngine) -> EpisodeBatch:
+    def _batch(self, sessions: list[AgentSession], outcomes: list[Outcome], prompts: list[Any], group_size: int
+               ) -> EpisodeBatch:
         tokenizer = self.multi_turn.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         rows_ids, rows_logprobs, rows_turns, prompt_ids, prompt_messages, completions, truncated = [], [], [], [], [], [], []
