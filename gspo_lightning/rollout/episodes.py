@@ -31,6 +31,7 @@ import torch
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.errors import EpisodeError
+from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 # how an episode ended
@@ -132,6 +133,7 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
     # ended takes the turn on a stand-in prompt, discarded, while another rank still has live ones
     agree = multi_turn.lockstep is not None and engine.shares_policy_weights
     for turn in range(multi_turn.max_turns):
+        stop.check()
         live = [e for e in episodes if e.ending is None]
         if agree and multi_turn.lockstep(not live):
             break

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
-from gspo_lightning.rollout import kv_decode
+from gspo_lightning.rollout import kv_decode, stop
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.phases import PHASES
 from gspo_lightning.rollout.sampling import filter_logits
@@ -153,6 +153,7 @@ class HFEngine(RolloutEngine):
                 token_logprobs[:, step] = token_logprob.masked_fill_(finished, 0.0)
                 width = step + 1
                 PHASES.tokens(width, params.max_new_tokens)  # the progress display's "token 12/32"
+                stop.check()  # SIGTERM / Ctrl-C: this step's samples would be thrown away
                 finished |= torch.isin(token, eos)
                 if step == feeds:
                     break

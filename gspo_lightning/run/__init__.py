@@ -9,7 +9,7 @@ EXPORTS = {
     **dict.fromkeys(["StepProgressBar", "RichStepProgressBar", "LineProgressBar"], "progress"),
     **dict.fromkeys(["RunSummary", "RichRunSummary"], "summary"),
     **dict.fromkeys(["TrainingCurves", "plot_history"], "plotting"),
-    **dict.fromkeys(["PreemptionCheckpoint", "Preempted"], "preemption"),
+    **dict.fromkeys(["PreemptionCheckpoint", "Preempted", "Stopped"], "preemption"),
     "configure_cpu_env": "cpu_env",
     **dict.fromkeys(["run_callbacks", "attach_run_callbacks", "ExportOnFitEnd"], "callbacks"),
     "EvalRecords": "results",

@@ -13,8 +13,8 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelSummary
 
 
-def run_callbacks(trainer) -> list[Callback]:
-    """The run's callbacks for ``trainer``."""
+def run_callbacks(trainer, stop_grace_s: float = 10.0) -> list[Callback]:
+    """The run's callbacks for ``trainer``; ``stop_grace_s``: the seconds a SIGTERM / Ctrl-C stop may take."""
     from gspo_lightning.run.cpu_threads import CPUThreads
     from gspo_lightning.run.plotting import TrainingCurves
     from gspo_lightning.run.preemption import PreemptionCheckpoint
@@ -26,16 +26,16 @@ def run_callbacks(trainer) -> list[Callback]:
     # replace Lightning's bar and table (epochs, FLOPs) by ours, of the same kind; a disabled one stays off
     extra = [step_progress_bar(trainer.progress_bar_callback), run_summary(summaries[0] if summaries else None)]
     # the export last: after the curves and the held-out summary, as the module's own on_fit_end ran
-    return [CPUThreads(), TrainingCurves(), HeldOutResults(), PreemptionCheckpoint(), *(c for c in extra if c is not None),
+    return [CPUThreads(), TrainingCurves(), HeldOutResults(), PreemptionCheckpoint(stop_grace_s), *(c for c in extra if c is not None),
             EvalRecords(), ExportOnFitEnd()]
 
 
-def attach_run_callbacks(trainer) -> list[Callback]:
+def attach_run_callbacks(trainer, stop_grace_s: float = 10.0) -> list[Callback]:
     """Add the run's callbacks (:func:`run_callbacks`) to a built
     ``trainer``, as Lightning attaches a module's ``configure_callbacks``: each replaces the
     trainer's callbacks of a class it derives from (Lightning's bar and summary; ours from an
     earlier call), checkpoint callbacks stay last. Returns the callbacks added."""
-    ours = run_callbacks(trainer)
+    ours = run_callbacks(trainer, stop_grace_s)
     replaced = {type(c) for c in trainer.callbacks
                 if type(c) is not Callback and any(isinstance(o, type(c)) for o in ours)}
     kept = [c for c in trainer.callbacks if type(c) not in replaced]

@@ -43,6 +43,7 @@ class GSPOCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         from jsonargparse import Namespace
+        from jsonargparse.typing import PositiveFloat
 
         # a plain class group (not add_lightning_class_args): instantiate_trainer adds the callback
         # itself, and only when checkpointing is on
@@ -50,6 +51,9 @@ class GSPOCLI(LightningCLI):
         parser.add_argument("--export", choices=["last", "best"], default="last",
                             help="the policy exported at the end of fit (model.export_on_fit_end): the last step's, or "
                                  "the best held-out evaluation's (val/accuracy), kept as best.ckpt beside last.ckpt")
+        parser.add_argument("--stop_grace_s", type=PositiveFloat, default=10.0,
+                            help="seconds a SIGTERM or Ctrl-C stop may take: a step still generating is abandoned, one in "
+                                 "its update finishes, then last.ckpt is written (docker stop waits 10 s, then kills)")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 50,
@@ -138,7 +142,8 @@ class GSPOCLI(LightningCLI):
         from gspo_lightning.run.callbacks import attach_run_callbacks
 
         trainer = super().instantiate_trainer(**kwargs)
-        attach_run_callbacks(trainer)  # the run's callbacks: threads, curves, results, records, export
+        # the run's callbacks: threads, curves, results, stops and failures, records, export
+        attach_run_callbacks(trainer, stop_grace_s=config.get("stop_grace_s") or 10.0)
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -291,7 +296,7 @@ def main(args: Optional[list[str]] = None) -> None:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from gspo_lightning.data.datamodule import PromptDataModule
-    from gspo_lightning.run.preemption import Preempted
+    from gspo_lightning.run.preemption import Preempted, Stopped
     from gspo_lightning.run.usage import GSPOArgumentParser, UsageError, short_message
     from gspo_lightning.training.module import GSPOModule
 
@@ -331,6 +336,8 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(2)
     except Preempted as stop:
         print(f"gspo: {stop}", file=sys.stderr)
+    except Stopped:
+        pass  # PreemptionCheckpoint said what it wrote, in one line
     except SIGTERMException:
         # PreemptionCheckpoint wrote last.ckpt at the step boundary before Lightning raised this
         print("gspo: stopped by SIGTERM after writing last.ckpt; resume with --ckpt_path <checkpoint dir>/last.ckpt", file=sys.stderr)

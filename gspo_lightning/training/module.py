@@ -168,7 +168,9 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
         self.running_rewards = RunningMoments()
-        self.updating = False  # True while a step's optimizer steps run (run/preemption.py reads it)
+        # "rollout" or "update" while a step runs, None between steps (run/preemption.py reads it: a
+        # stop abandons a rollout at once, lets an update finish, and a failure's checkpoint waits)
+        self.step_phase: Optional[str] = None
         self.step_metrics = StepMetrics()
         self.val_metrics = StepMetrics()
         self.updater: Optional[PolicyUpdater] = None
@@ -357,6 +359,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         cfg = self.settings
         step_start = time.perf_counter()
+        self.step_phase = "rollout"
         PHASES.begin(f"generating {len(batch['prompt_ids']) * cfg.rollout.num_return_sequences_in_group} responses")  # the progress display
         rollout, source_stats = self.rollouts.next(self.rollout_steps, batch, self.policy_version)
         if self.updater is None or self.updater.settings.mini_batch_size > rollout.num_responses:
@@ -407,12 +410,12 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         ops = StrategyOps(self, self.trainer.strategy, self.optimizers(), self.lr_schedulers(), list(self.policy.parameters()),
                           self.grad_sync, scaling, cfg.update.max_grad_norm)
         PHASES.begin_update(self.updater.settings, rollout.num_responses)
-        self.updating = True  # until the update ends the weights are no step boundary's (a failure's checkpoint waits)
+        self.step_phase = "update"  # until the update ends the weights are no step boundary's
         self.policy_version += self.updater.run(
             rollout, advantages, old, ref, lambda rows: forward(rollout, rows), ops,
             routing_recorder=self.routing_recorder, generator=generator, is_weights=is_weights,
         )
-        self.updating = False
+        self.step_phase = None
         time_train = time.perf_counter() - start
         self.rollout_steps += 1
         self._trained_this_fit = True

@@ -23,6 +23,7 @@ import torch
 from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.errors import AgentError
 from gspo_lightning.rewards.base import is_async_callable
+from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.agent.endpoint import AgentEndpoint, TurnLimits
 from gspo_lightning.rollout.agent.record import AgentSession
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
@@ -157,6 +158,7 @@ class AgentRunner:
         turn_cap = min(params.max_new_tokens, self.multi_turn.max_turn_tokens or params.max_new_tokens)
         versions, batches = [], 0
         while True:
+            stop.check()  # the agents are cancelled on the way out (run)
             # ranks of a sharded policy sampled in place generate together (see run_episodes)
             if (lockstep(queue.done) if lockstep is not None else queue.done):
                 break
