@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 from typing import Any, Callable
+from gspo_lightning.errors import ConfigError
 
 
 def import_object(path: str, what: str, example: str = "package.module.name") -> Any:
@@ -23,19 +24,19 @@ def import_object(path: str, what: str, example: str = "package.module.name") ->
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{what} {path!r} is not an import path like {example!r}")
+        raise ConfigError(f"{what} {path!r} is not an import path like {example!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         moved = moved_target(module_name)
         if moved is not None:
-            raise ValueError(f"cannot import module {module_name!r} of {what} {path!r}: {module_name} moved to "
+            raise ConfigError(f"cannot import module {module_name!r} of {what} {path!r}: {module_name} moved to "
                              f"{moved}: write that in the config") from err
-        raise ValueError(f"cannot import module {module_name!r} of {what} {path!r}: {err} (modules are looked up in "
+        raise ConfigError(f"cannot import module {module_name!r} of {what} {path!r}: {err} (modules are looked up in "
                          f"the installed packages and the working directory {os.getcwd()!r})") from err
     found = getattr(module, attr, None)
     if found is None:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r} ({what} {path!r})")
+        raise ConfigError(f"module {module_name!r} has no attribute {attr!r} ({what} {path!r})")
     return found
 
 
@@ -44,7 +45,7 @@ def import_callable(path: str, what: str) -> Callable:
     function or tool. ``what`` names it in the errors ("reward function", "tool")."""
     found = import_object(path, what, example="package.module.function")
     if not callable(found):
-        raise ValueError(f"{what} {path!r} is a {type(found).__name__}, not a function")
+        raise ConfigError(f"{what} {path!r} is a {type(found).__name__}, not a function")
     return found
 
 

@@ -1,4 +1,15 @@
-"""Errors a run can stop with, shared by the update loop, the module and the callbacks."""
+"""Errors a run can stop with, shared by the update loop, the module and the callbacks.
+
+The ``gspo`` command shows these in one line, as the user's to fix (``--debug`` for the
+traceback); anything else (a bug here or in a library) keeps its traceback."""
+
+
+class ConfigError(ValueError):
+    """A setting, argument or input given to the run is wrong; the message says what to change."""
+
+
+class MissingPackageError(ImportError):
+    """An optional package a setting needs is not installed; the message gives the install command."""
 
 
 class NonFiniteError(RuntimeError):
@@ -17,4 +28,4 @@ class AgentError(RuntimeError):
     """More than half of a step's agent episodes failed (raised, timed out, or never called the endpoint)."""
 
 
-__all__ = ["AgentError", "EpisodeError", "NonFiniteError", "RolloutServerError"]
+__all__ = ["AgentError", "ConfigError", "EpisodeError", "MissingPackageError", "NonFiniteError", "RolloutServerError"]

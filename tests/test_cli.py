@@ -145,6 +145,46 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
         main(["fit"])
 
 
+def test_a_value_error_from_inside_a_library_keeps_its_traceback(monkeypatch):
+    """Only our own error types are the user's: a ValueError deep in torch or transformers is a bug
+    to report, shown with its traceback, not one line that hides where it came from."""
+    import gspo_lightning.run.command as cli
+
+    def library_bug(*args, **kwargs):
+        raise ValueError("Expected 3D tensor, got 2D")
+
+    monkeypatch.setattr(cli, "GSPOCLI", library_bug)
+    with pytest.raises(ValueError, match="Expected 3D tensor"):
+        main(["fit"])
+
+
+def test_the_optimizers_own_checks_name_the_key(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(write_config(tmp_path)), "--model.optimizer.init_args.lr=-0.001"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "gspo: error: model.optimizer: Invalid learning rate: -0.001; change it in model.optimizer.init_args" in err
+
+
+def test_a_missing_optional_package_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError, as when it is not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(write_config(tmp_path)), "--model.lora.rank=4"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) <= 3
+    assert "gspo: error: model.lora needs the peft package: pip install 'gspo-lightning[lora]'" in err
+
+
+def test_batch_sizes_that_cannot_divide_a_step_fail_before_any_model_loads(tmp_path, capsys):
+    # the model folder does not exist either: the sizes are checked first, when the config is read
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(write_config(tmp_path)), "--model.update.mini_batch_size=7",
+              f"--model.model_name_or_path={tmp_path / 'no_model'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "mini_batch_size=7 must be a multiple of the 1 rank(s) and divide" in err
+    assert "does not exist" not in err
+
+
 def test_non_finite_stop_is_an_expected_error(monkeypatch, capsys):
     import gspo_lightning.run.command as cli
     from gspo_lightning.errors import NonFiniteError
@@ -173,6 +213,7 @@ def test_empty_data_file_says_so_and_leaves_no_version_folders(tmp_path, capsys)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "empty.jsonl has no rows" in err and "val_size" not in err
     assert not list(tmp_path.glob("*/version_*")), "a failed start left a version folder"
+    assert not (tmp_path / "csv").exists() and not (tmp_path / "tensorboard").exists(), "a failed start left empty folders"
 
 
 def test_predict_is_not_offered():

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 NOISE = ["Tip:", "Writing model shards", "will override existing callbacks", "weights_only", "Traceback",
-         "Trainer already configured"]
+         "Trainer already configured", "GPU available: False", "TPU available", "Loading weights"]
 
 
 def gspo(*args, cwd=ROOT, timeout=600, env=None, **popen):
@@ -60,6 +60,9 @@ def test_a_run_without_a_terminal_prints_progress_lines_phases_and_held_out_resu
     # a line every 5 steps (and the first), with the reward and the time left
     steps = [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/20  reward [\d.]+  step_s", line))]
     assert {1, 5, 10, 15, 20} <= set(steps), out.stdout
+    # no time left promised from the first step (it warms up and times the CPU threads)
+    assert next(line for line in lines if line.startswith("step 1/20 ")).endswith("left: estimating")
+    assert re.search(r"left ~0:0\d:\d\d$", next(line for line in lines if line.startswith("step 5/20 ")))
     # held-out results when measured, and untrained -> best -> last at the end
     assert "held-out at step 0 (untrained): accuracy 0  pass@1 0  reward_mean 0" in out.stdout
     assert any(line.startswith("held-out at step 10: accuracy ") for line in lines)

@@ -42,8 +42,13 @@ def test_malformed_row_names_file_and_line_or_is_skipped_and_counted(tmp_path):
 
 
 def test_missing_file_and_unknown_format_are_clear(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist") as missing:
         read_rows(str(tmp_path / "nope.jsonl"))
+    from gspo_lightning.data.datasets import BUILTIN_FILES
+    from gspo_lightning.data.tasks import BUILTIN_DATASETS
+
+    # every builtin data set is offered: the generated tasks and the shipped files
+    assert all(f"builtin:{name}" in str(missing.value) for name in [*BUILTIN_DATASETS, *BUILTIN_FILES])
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported data format '.csv'"):
         read_rows(str(tmp_path / "x.csv"))

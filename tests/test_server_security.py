@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import socket
 import threading
 import time
@@ -610,6 +611,43 @@ def test_a_started_server_gets_the_secret_in_its_environment_not_on_its_command_
         child.start(5)
     assert seen["env"]["GSPO_SERVER_TOKEN"] == SECRET and not any(SECRET in part for part in seen["command"])  # ps shows argv
     assert seen["command"][seen["command"].index("--weights_root") + 1] == str(tmp_path.resolve())
+
+
+def test_a_started_server_that_crashed_leaves_its_log_behind(monkeypatch, tmp_path, capsys):
+    """The log's path is printed at start; a server that crashed mid-run keeps it (moved out of the
+    folder the run cleans up, into one only its user reads), one that stopped cleanly does not."""
+    import subprocess
+
+    from gspo_lightning.rollout.remote import ChildServer
+
+    class Started:
+        pid, code = 1, None
+
+        def __init__(self, command, env, stdout, **_):
+            stdout.write("serving\nTraceback (most recent call last):\n  ...\nRuntimeError: out of memory\n")
+            stdout.flush()
+            Path(command[command.index("--port_file") + 1]).write_text("8123")
+
+        def poll(self):
+            return self.code
+
+        def terminate(self):
+            self.code = 0
+
+        def wait(self, timeout=None):
+            return self.code
+
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    child = ChildServer(ServerSpec(MODEL), secret=SECRET)
+    assert child.start(5) == "http://127.0.0.1:8123"
+    folder = Path(child.folder.name)
+    child.process.code = -9  # killed while the run went on
+    child.stop()
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("rollout server log kept: "))
+    kept = Path(line.split(": ", 1)[1].split(" (")[0])
+    assert "RuntimeError: out of memory" in kept.read_text() and not folder.exists()
+    assert (kept.parent.stat().st_mode & 0o777) == 0o700
+    shutil.rmtree(kept.parent)
 
 
 def test_the_vocabulary_bound_is_the_output_heads_rows_even_when_zero3_partitions_it():

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from gspo_lightning.data.datasets import BUILTIN_FILES
 from gspo_lightning.data.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
+from gspo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 EXTRA_STREAM_SEED = 1_000_003
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """A data file or row cannot be used; the message names the file and line."""
 
 
@@ -36,14 +37,18 @@ def is_generated(path: str) -> bool:
     return path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] in BUILTIN_DATASETS
 
 
+def builtin_names() -> list[str]:
+    """Every ``builtin:`` data set: the generated tasks and the files shipped in the package."""
+    return sorted(BUILTIN_PREFIX + k for k in [*BUILTIN_DATASETS, *BUILTIN_FILES])
+
+
 def resolve_path(path: str) -> Path:
     """The file or folder behind a data path: ``builtin:<name>`` for a file shipped in the
     package (``builtin:gsm8k``), else the path itself (relative to the working directory)."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_FILES:
-            choices = sorted(BUILTIN_PREFIX + k for k in [*BUILTIN_DATASETS, *BUILTIN_FILES])
-            raise DataError(f"unknown builtin dataset {path!r}; choose one of {choices}")
+            raise DataError(f"unknown builtin dataset {path!r}; choose one of {builtin_names()}")
         return BUILTIN_FILES[name]
     return Path(path).expanduser()
 
@@ -59,7 +64,7 @@ def read_rows(path: str, *, bad_rows: str = "error", num_builtin_rows: int = 200
     p = resolve_path(path)
     if not p.exists():
         raise DataError(f"data path {str(p)!r} does not exist (relative paths start at the working directory "
-                        f"{str(Path.cwd())!r}; builtin data: {sorted(BUILTIN_PREFIX + k for k in BUILTIN_FILES)})")
+                        f"{str(Path.cwd())!r}; builtin data: {builtin_names()})")
     rows, skipped = _read_source(p, bad_rows)
     if not rows:
         detail = f" ({skipped} malformed rows skipped)" if skipped else ""
@@ -96,7 +101,7 @@ def _read_source(p: Path, bad_rows: str) -> tuple[list[dict], int]:
             try:
                 row = json.loads(line)
                 if not isinstance(row, dict):
-                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+                    raise ConfigError(f"expected a JSON object, got {type(row).__name__}")
             except ValueError as err:
                 if bad_rows == "error":
                     raise DataError(f"{p}:{line_no}: malformed row ({err}); fix it or set data.bad_rows=skip") from None
@@ -205,14 +210,14 @@ class PromptDataModule(L.LightningDataModule):
     ):
         super().__init__()
         if episodes and system_prompt:
-            raise ValueError("data.system_prompt is not used in multi-turn episodes (model.episodes renders each "
+            raise ConfigError("data.system_prompt is not used in multi-turn episodes (model.episodes renders each "
                              "prompt with the chat template and the tools itself): put the system message first in "
                              "the environment's first_messages (ToolEnvironment), or start the rows' chat messages "
                              "with it, and remove data.system_prompt")
         if rollout_batch_size < 1:
-            raise ValueError(f"data.rollout_batch_size must be >= 1, got {rollout_batch_size}")
+            raise ConfigError(f"data.rollout_batch_size must be >= 1, got {rollout_batch_size}")
         if prompt_length < 1:
-            raise ValueError(f"data.prompt_length must be >= 1, got {prompt_length}")
+            raise ConfigError(f"data.prompt_length must be >= 1, got {prompt_length}")
         self.save_hyperparameters()
         self.tokenizer = None  # loaded from hparams.tokenizer on first use, or set directly
         self.train_rows: list[dict] = []
@@ -235,7 +240,7 @@ class PromptDataModule(L.LightningDataModule):
 
             self.tokenizer = load_tokenizer(self.hparams.tokenizer)
         if self.tokenizer is None:
-            raise ValueError("PromptDataModule needs a tokenizer: set data.tokenizer to the model's name or folder "
+            raise ConfigError("PromptDataModule needs a tokenizer: set data.tokenizer to the model's name or folder "
                              "(the gspo command links it to model.model_name_or_path)")
         return self.tokenizer
 
@@ -375,7 +380,7 @@ class PromptDataModule(L.LightningDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         rank = self.trainer.global_rank if self.trainer is not None else 0
         if hp.rollout_batch_size % world != 0:
-            raise ValueError(f"data.rollout_batch_size={hp.rollout_batch_size} does not split evenly over {world} ranks; "
+            raise ConfigError(f"data.rollout_batch_size={hp.rollout_batch_size} does not split evenly over {world} ranks; "
                              f"make it a multiple of {world}")
         self.batches_consumed = self.start_batch
         sampler = EndlessBatchSampler(

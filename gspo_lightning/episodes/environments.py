@@ -28,6 +28,7 @@ from typing import Callable, Optional, Union
 from gspo_lightning.episodes.messages import StepResult
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.tools import Tool, ToolError, load_tools
+from gspo_lightning.errors import ConfigError
 
 
 class Environment:
@@ -81,16 +82,16 @@ class ToolEnvironment(Environment):
     def __init__(self, tools: list[Union[str, Callable]], parser: Optional[ToolCallParser] = None,
                  timeout_s: float = 5.0, max_calls_per_turn: int = 4, first_messages: Optional[list[dict]] = None):
         if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         if max_calls_per_turn < 1:
-            raise ValueError(f"max_calls_per_turn must be at least 1, got {max_calls_per_turn}")
+            raise ConfigError(f"max_calls_per_turn must be at least 1, got {max_calls_per_turn}")
         self.tools: dict[str, Tool] = {tool.name: tool for tool in load_tools(tools)}
         self.parser = parser if parser is not None else HermesToolCallParser()
         self.timeout_s = timeout_s
         self.max_calls_per_turn = max_calls_per_turn
         self.first_messages = [dict(m) for m in first_messages or []]
         if any(not isinstance(m.get("role"), str) or "content" not in m for m in self.first_messages):
-            raise ValueError("first_messages must be chat messages, each with a role and a content")
+            raise ConfigError("first_messages must be chat messages, each with a role and a content")
 
     @property
     def tools_schema(self) -> list[dict]:

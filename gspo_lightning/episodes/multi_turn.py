@@ -17,6 +17,7 @@ from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
 from gspo_lightning.objective.advantages import turn_advantages
+from gspo_lightning.errors import ConfigError
 
 
 class MultiTurn:
@@ -70,17 +71,17 @@ class MultiTurn:
                  agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0,
                  batch_window_s: Optional[float] = 0.05):
         if (environment is None) == (agent is None):
-            raise ValueError("model.episodes needs exactly one of environment (the runner owns the loop) and agent (your "
+            raise ConfigError("model.episodes needs exactly one of environment (the runner owns the loop) and agent (your "
                              "program owns it and calls the endpoint); got "
                              f"{'both' if environment is not None else 'neither'}")
         if max_concurrent is not None and max_concurrent < 1:
-            raise ValueError(f"episodes.max_concurrent must be >= 1 or null (the whole rollout batch), got {max_concurrent}")
+            raise ConfigError(f"episodes.max_concurrent must be >= 1 or null (the whole rollout batch), got {max_concurrent}")
         if not agent_timeout_s > 0:
-            raise ValueError(f"episodes.agent_timeout_s must be positive, got {agent_timeout_s}")
+            raise ConfigError(f"episodes.agent_timeout_s must be positive, got {agent_timeout_s}")
         if batch_window_s is not None and not batch_window_s >= 0:
-            raise ValueError(f"episodes.batch_window_s must be >= 0 or null, got {batch_window_s}")
+            raise ConfigError(f"episodes.batch_window_s must be >= 0 or null, got {batch_window_s}")
         if not 0 <= endpoint_port < 65536:
-            raise ValueError(f"episodes.endpoint_port must be in 0..65535 (0: a free port), got {endpoint_port}")
+            raise ConfigError(f"episodes.endpoint_port must be in 0..65535 (0: a free port), got {endpoint_port}")
         self.agent = agent
         self.agent_function = import_callable(agent, "agent") if agent is not None else None
         self.tool_call_parser = tool_call_parser if tool_call_parser is not None else HermesToolCallParser()
@@ -90,17 +91,17 @@ class MultiTurn:
         self.endpoint_port = endpoint_port
         self.batch_window_s = batch_window_s
         if max_turns < 1:
-            raise ValueError(f"episodes.max_turns must be >= 1, got {max_turns}")
+            raise ConfigError(f"episodes.max_turns must be >= 1, got {max_turns}")
         if max_turn_tokens is not None and max_turn_tokens < 1:
-            raise ValueError(f"episodes.max_turn_tokens must be >= 1 or null, got {max_turn_tokens}")
+            raise ConfigError(f"episodes.max_turn_tokens must be >= 1 or null, got {max_turn_tokens}")
         if on_environment_error not in ("raise", "end"):
-            raise ValueError(f"episodes.on_environment_error must be raise or end, got {on_environment_error!r}")
+            raise ConfigError(f"episodes.on_environment_error must be raise or end, got {on_environment_error!r}")
         self.environment = environment
         self.max_turns = max_turns
         self.max_turn_tokens = max_turn_tokens
         self.on_environment_error = on_environment_error
         if not 0 < turn_discount <= 1:
-            raise ValueError(f"episodes.turn_discount must be in (0, 1], got {turn_discount}")
+            raise ConfigError(f"episodes.turn_discount must be in (0, 1], got {turn_discount}")
         self.turn_advantages = turn_advantages
         self.turn_discount = turn_discount
         self.renderer: Optional[ChatRenderer] = None
@@ -134,7 +135,7 @@ def check_episode_objective(episodes: Optional[MultiTurn], importance_sampling: 
     """``episodes``, checked against the objective: per-turn advantages need token-level
     advantages in the loss."""
     if episodes is not None and episodes.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
-        raise ValueError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
+        raise ConfigError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
                          f"seq-token (GSPO-token) or token, and adv_estimator: grpo (got {importance_sampling}, "
                          f"{adv_estimator})")
     return episodes

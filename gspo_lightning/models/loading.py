@@ -11,6 +11,7 @@ import torch
 
 from gspo_lightning.models.tiny import build_tiny_model, build_tokenizer, get_spec, is_builtin
 from gspo_lightning.models.gguf import resolve_model
+from gspo_lightning.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the hub accepts as a model id: "name" or "organization/name"
@@ -73,7 +74,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an end-of-sequence token")
+            raise ConfigError(f"tokenizer of {name_or_path!r} has neither a pad nor an end-of-sequence token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -89,7 +90,7 @@ def load_policy(
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     name_or_path = resolve_model(name_or_path)  # a GGUF source: its converted folder
     if is_builtin(name_or_path):
         return build_tiny_model(name_or_path, tokenizer, DTYPES[dtype])
@@ -115,5 +116,5 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     elif extra:
         ids.update(int(i) for i in extra)
     if not ids:
-        raise ValueError("no end-of-sequence token: set eos_token on the tokenizer")
+        raise ConfigError("no end-of-sequence token: set eos_token on the tokenizer")
     return sorted(ids)

@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from gspo_lightning.errors import ConfigError, MissingPackageError
 
 ADAPTER = "default"  # peft's adapter name; one adapter per policy
 
@@ -53,13 +54,13 @@ class LoRA:
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora.rank must be a positive integer, got {self.rank!r}")
+            raise ConfigError(f"lora.rank must be a positive integer, got {self.rank!r}")
         if not self.alpha > 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha!r}")
+            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha!r}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
-            raise ValueError("lora.target_modules is empty: use all-linear or name the modules, e.g. [q_proj, v_proj]")
+            raise ConfigError("lora.target_modules is empty: use all-linear or name the modules, e.g. [q_proj, v_proj]")
 
     def as_dict(self) -> dict:
         """The config as JSON-able fields (a rollout server's spec carries it)."""
@@ -87,14 +88,14 @@ def attach_lora(policy: nn.Module, lora: LoRA) -> nn.Module:
     try:
         from peft import inject_adapter_in_model
     except ImportError as err:
-        raise ImportError("lora needs the peft package: pip install 'gspo-lightning[lora]'") from err
+        raise MissingPackageError("model.lora needs the peft package: pip install 'gspo-lightning[lora]'") from err
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(lora.init_seed)
             policy = inject_adapter_in_model(lora.peft_config(), policy, adapter_name=ADAPTER)
     except ValueError as err:  # peft: "Target modules ... not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, m in policy.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"lora.target_modules={lora.target_modules!r} matches no layer of this model "
+        raise ConfigError(f"lora.target_modules={lora.target_modules!r} matches no layer of this model "
                          f"({err}); its linear layers are named {names}") from err
     for name, param in policy.named_parameters():
         param.requires_grad_(".lora_" in name)
@@ -213,7 +214,7 @@ def adapter_param_name(name: str) -> str:
     """The inverse of :func:`peft_name`: the parameter that holds a pushed adapter tensor."""
     if is_adapter_name(name):
         return name[: -len("weight")] + f"{ADAPTER}.weight"
-    raise ValueError(f"{name[:200]!r} is not a LoRA adapter tensor (names end in .lora_A.weight or .lora_B.weight)")
+    raise ConfigError(f"{name[:200]!r} is not a LoRA adapter tensor (names end in .lora_A.weight or .lora_B.weight)")
 
 
 def is_adapter_name(name: str) -> bool:
@@ -251,10 +252,10 @@ def write_adapter_folder(pairs, folder: Union[str, Path], lora: LoRA, base_model
     state = {}
     for name, tensor in pairs:
         if not is_adapter_name(name):
-            raise ValueError(f"{name[:200]!r} is not a LoRA adapter tensor (names end in .lora_A.weight or .lora_B.weight)")
+            raise ConfigError(f"{name[:200]!r} is not a LoRA adapter tensor (names end in .lora_A.weight or .lora_B.weight)")
         state[f"base_model.model.{name}"] = tensor.detach().to("cpu").contiguous()
     if not state:
-        raise ValueError("no adapter tensors to write: an adapter push carries lora_A / lora_B tensors")
+        raise ConfigError("no adapter tensors to write: an adapter push carries lora_A / lora_B tensors")
     save_file(state, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
     # the modules named, not ``all-linear``: a reader that is not peft (vLLM) need not expand it
     targets = sorted({name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name in state})

@@ -52,6 +52,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+from gspo_lightning.errors import ConfigError
 
 __all__ = ["RoutingRecorder", "RoutingChange", "RouterLogitsCapture", "load_balancing_loss"]
 
@@ -129,7 +130,7 @@ class RouterLogitsCapture:
         else:
             flat = attention_mask.reshape(-1)
             if flat.numel() != rows:
-                raise ValueError(f"attention_mask has {flat.numel()} positions, the captured forwards {rows}")
+                raise ConfigError(f"attention_mask has {flat.numel()} positions, the captured forwards {rows}")
         return load_balancing_loss(layers, self.num_experts, self.top_k, flat)
 
 
@@ -279,7 +280,7 @@ class RoutingRecorder:
         self.model = model
         self.routers = _find_routers(model)
         if not self.routers:
-            raise ValueError(f"{type(model).__name__} has no Mixture-of-Experts router that RoutingRecorder "
+            raise ConfigError(f"{type(model).__name__} has no Mixture-of-Experts router that RoutingRecorder "
                              f"recognizes (transformers router modules returning (logits, weights, indices), "
                              f"or sparse blocks with an nn.Linear `gate`)")
         self.top_k = self.routers[0].top_k
@@ -354,10 +355,10 @@ class RoutingRecorder:
         record = self.record_indices  # raises without a record
         for r in self.routers:
             if r.weight_rule is None:
-                raise ValueError(f"routing replay: cannot tell how {type(r.module).__name__} weighs its experts "
+                raise ConfigError(f"routing replay: cannot tell how {type(r.module).__name__} weighs its experts "
                                  f"(not softmax top-k); replay is not supported for it")
             if r.kind == "linear" and r.weight_rule != "renormalized":
-                raise ValueError(f"routing replay of {type(r.owner).__name__} with norm_topk_prob=False needs "
+                raise ConfigError(f"routing replay of {type(r.owner).__name__} with norm_topk_prob=False needs "
                                  f"transformers >= 5 (a router module); with this version set norm_topk_prob=True "
                                  f"or turn routing_replay off")
         rows = self._rows(rows, record[0])

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
+from gspo_lightning.errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
@@ -111,7 +112,7 @@ CORPUS_FILES: dict[str, tuple[Path, ...]] = {
 
 def _corpus_lines(corpus: str) -> Iterable[str]:
     if corpus not in CORPUS_FILES:
-        raise ValueError(f"unknown corpus {corpus!r}")
+        raise ConfigError(f"unknown corpus {corpus!r}")
     for path in CORPUS_FILES[corpus]:
         with open(path) as handle:
             for line in handle:
@@ -149,7 +150,7 @@ def build_tokenizer(spec: TinyModelSpec):
         trainer = trainers.BpeTrainer(vocab_size=spec.bpe_vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
         tok.train_from_iterator(_corpus_lines(spec.corpus or "gsm8k"), trainer=trainer)
         return _wrap_tokenizer(tok, spec.chat_template)
-    raise ValueError(f"unknown tokenizer kind {spec.tokenizer!r}")
+    raise ConfigError(f"unknown tokenizer kind {spec.tokenizer!r}")
 
 
 def build_config(spec: TinyModelSpec, tokenizer):
@@ -179,7 +180,7 @@ def get_spec(name: str) -> TinyModelSpec:
         from gspo_lightning.models.gguf import GGUF_MODELS
 
         choices = sorted(BUILTIN_PREFIX + k for k in [*TINY_MODELS, *GGUF_MODELS])
-        raise ValueError(f"unknown builtin model {name!r}; choose one of {choices}")
+        raise ConfigError(f"unknown builtin model {name!r}; choose one of {choices}")
     return TINY_MODELS[key]
 
 

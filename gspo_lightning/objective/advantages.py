@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gspo_lightning.objective.terms import kl_penalty
 from gspo_lightning.objective.options import AdvEstimator, RewardNorm, check_choice, choices
+from gspo_lightning.errors import ConfigError
 
 REWARD_NORMS = (None, *choices(RewardNorm))
 ADV_ESTIMATORS = choices(AdvEstimator)
@@ -59,7 +60,7 @@ def moments(values: Tensor, mask: Optional[Tensor] = None, reduce_sum: SumReduce
 
 def group_view(values: Tensor, group_size: int) -> Tensor:
     if values.dim() != 1 or values.numel() % group_size != 0:
-        raise ValueError(
+        raise ConfigError(
             f"expected one value per response with groups of {group_size} contiguous responses, "
             f"got shape {tuple(values.shape)}"
         )
@@ -140,10 +141,10 @@ def normalize_rewards(
     """
     check_choice("reward_norm", reward_norm, RewardNorm, allow_none=True)
     if reward_shift and reward_scale:
-        raise ValueError("reward_shift and reward_scale are exclusive: set one (or neither, for both shift and scale)")
+        raise ConfigError("reward_shift and reward_scale are exclusive: set one (or neither, for both shift and scale)")
     if reward_norm is None:
         if reward_shift or reward_scale:
-            raise ValueError("reward_shift / reward_scale need a reward_norm (group, batch or running) to take statistics from")
+            raise ConfigError("reward_shift / reward_scale need a reward_norm (group, batch or running) to take statistics from")
         return rewards
     if reward_norm == "group":
         mean, std = group_mean_std(rewards, group_size, scored)
@@ -152,7 +153,7 @@ def normalize_rewards(
         mean, std = m.to(rewards.dtype), s.to(rewards.dtype)
     else:
         if running is None:
-            raise ValueError("reward_norm='running' needs a RunningMoments state")
+            raise ConfigError("reward_norm='running' needs a RunningMoments state")
         running.update(rewards, reduce_sum=reduce_sum, mask=scored)
         mean = torch.tensor(running.mean, dtype=rewards.dtype, device=rewards.device)
         std = torch.tensor(running.std, dtype=rewards.dtype, device=rewards.device)
@@ -195,7 +196,7 @@ def token_level_rewards(
     rewards[rows[has_tokens], last[has_tokens]] = scores[has_tokens]
     if ref_logprobs is not None and kl_coef != 0.0:
         if old_logprobs is None:
-            raise ValueError("token-level KL needs old_logprobs")
+            raise ConfigError("token-level KL needs old_logprobs")
         kl = kl_penalty(old_logprobs, ref_logprobs, kl_estimator).to(scores.dtype)
         rewards = rewards - kl_coef * torch.where(valid, kl, torch.zeros_like(kl))
     return rewards
@@ -228,7 +229,7 @@ def compute_advantages(
         return torch.where(valid, returns, torch.zeros_like(returns))
     check_choice("adv_estimator", estimator, AdvEstimator)
     if group_size < 2:
-        raise ValueError(f"adv_estimator={estimator!r} compares responses within a group: it needs num_return_sequences_in_group >= 2")
+        raise ConfigError(f"adv_estimator={estimator!r} compares responses within a group: it needs num_return_sequences_in_group >= 2")
     scores = token_rewards.sum(-1)
     mean, std = group_mean_std(scores, group_size, scored)
     if estimator == "grpo":
@@ -283,7 +284,7 @@ def rewards_to_advantages(
     )
     scores = clip_rewards(scores, reward_clip)
     if add_token_level_kl and ref_logprobs is None:
-        raise ValueError("add_token_level_kl needs reference log-probs")
+        raise ConfigError("add_token_level_kl needs reference log-probs")
     token_rewards = token_level_rewards(
         scores, mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs if add_token_level_kl else None,
         kl_coef=kl_coef, kl_estimator=kl_estimator,

@@ -23,6 +23,7 @@ from gspo_lightning.objective.sapo import SAPO, SATURATED_WEIGHT
 from gspo_lightning.objective.terms import (
     MAX_KL_VALUE, MAX_LOG_RATIO, Count, aggregate_loss, kl_penalty, log_importance_ratio, masked_sequence_mean,
 )
+from gspo_lightning.errors import ConfigError
 
 # the built-in objectives by name; a user's own is chosen by class_path and needs no entry here
 OBJECTIVES: dict[str, type[PolicyObjective]] = {cls.name: cls for cls in (PPOClip, SAPO, CISPO, GMPO)}
@@ -43,16 +44,16 @@ def make_objective(spec: Union[str, dict, PolicyObjective, None]) -> PolicyObjec
         return spec if type(spec) is cls else cls(**spec.settings())
     if isinstance(spec, str):
         if spec not in OBJECTIVES:
-            raise ValueError(f"policy objective {spec!r} is not one of {', '.join(map(repr, OBJECTIVES))}; "
+            raise ConfigError(f"policy objective {spec!r} is not one of {', '.join(map(repr, OBJECTIVES))}; "
                              f"your own: {{class_path: package.module.Class, init_args: {{...}}}}")
         return OBJECTIVES[spec]()
     if isinstance(spec, dict) and "class_path" in spec:
         cls = import_object(spec["class_path"], "policy objective")
         if not (isinstance(cls, type) and issubclass(cls, PolicyObjective)):
-            raise ValueError(f"policy objective {spec['class_path']!r} is not a subclass of "
+            raise ConfigError(f"policy objective {spec['class_path']!r} is not a subclass of "
                              f"gspo_lightning.objective.PolicyObjective")
         return cls(**(spec.get("init_args") or {}))
-    raise ValueError(f"a policy objective is a name, a {{class_path, init_args}} mapping or a PolicyObjective; got {spec!r}")
+    raise ConfigError(f"a policy objective is a name, a {{class_path, init_args}} mapping or a PolicyObjective; got {spec!r}")
 
 
 def objective_spec(objective: PolicyObjective) -> dict[str, Any]:
@@ -66,11 +67,11 @@ def objective_from_keywords(policy_loss_type: str, keywords: dict[str, Any], *, 
     (``clip_low``, ``dual_clip``, ``sapo_tau_pos``...): each class takes those it has (``LEGACY_KEYS``).
     ``strict``: a keyword it does not have, set to a value, is an error (a config's); else ignored."""
     if policy_loss_type not in OBJECTIVES:
-        raise ValueError(f"policy_loss_type must be one of {', '.join(map(repr, OBJECTIVES))}; got {policy_loss_type!r}")
+        raise ConfigError(f"policy_loss_type must be one of {', '.join(map(repr, OBJECTIVES))}; got {policy_loss_type!r}")
     cls = OBJECTIVES[policy_loss_type]
     unknown = [key for key, value in keywords.items() if value is not None and key not in cls.LEGACY_KEYS]
     if strict and unknown:
-        raise ValueError(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a setting of the "
+        raise ConfigError(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a setting of the "
                          f"{policy_loss_type} objective (its keys: {', '.join(cls.LEGACY_KEYS) or 'none'}): unset "
                          f"{' and '.join(unknown)} or choose another policy_loss_type")
     return cls(**{cls.LEGACY_KEYS[key]: value for key, value in keywords.items()
@@ -143,11 +144,11 @@ def policy_loss(
     objective = objective_from_keywords(policy_loss_type, dict(
         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg))
     if dual_clip is not None and "dual_clip" not in type(objective).LEGACY_KEYS:
-        raise ValueError(f"dual_clip bounds PPO's clipped surrogate; policy_loss_type={policy_loss_type!r} has none: pass dual_clip=None")
+        raise ConfigError(f"dual_clip bounds PPO's clipped surrogate; policy_loss_type={policy_loss_type!r} has none: pass dual_clip=None")
     check_choice("importance_sampling", importance_sampling, ImportanceSampling)
     level_problem = objective.level_problem(importance_sampling)
     if level_problem:
-        raise ValueError(level_problem)
+        raise ConfigError(level_problem)
     return objective.resolved(importance_sampling).loss(
         logprobs, old_logprobs, advantages, mask, importance_sampling=importance_sampling, loss_agg_mode=loss_agg_mode,
         ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator, num_seqs=num_seqs, num_tokens=num_tokens,

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.objective.terms import masked_sequence_mean
+from gspo_lightning.errors import ConfigError
 
 CorrectionMode = Literal["decoupled", "bypass"]
 WeightLevel = Literal["token", "seq", "seq-product"]
@@ -76,7 +77,7 @@ class OffPolicyCorrection:
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
-            raise ValueError("invalid off_policy correction: " + "; ".join(problems))
+            raise ConfigError("invalid off_policy correction: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
         out = []
@@ -123,7 +124,7 @@ def log_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, 
         return total
     if level == "seq":
         return masked_sequence_mean(diff, valid)
-    raise ValueError(f"off_policy.level must be token, seq or seq-product; got {level!r}")
+    raise ConfigError(f"off_policy.level must be token, seq or seq-product; got {level!r}")
 
 
 def bound_weights(log_w: Tensor, correction: OffPolicyCorrection) -> tuple[Tensor, Tensor, Tensor]:

@@ -8,6 +8,7 @@ new value is added in one place.
 from __future__ import annotations
 
 from typing import Any, Literal, get_args
+from gspo_lightning.errors import ConfigError
 
 ImportanceSampling = Literal["seq", "seq-token", "token"]
 LossAggMode = Literal[
@@ -32,7 +33,7 @@ def check_choice(name: str, value: Any, option: Any, *, allow_none: bool = False
         return
     if value not in get_args(option):
         valid = ", ".join(repr(v) for v in get_args(option)) + (", None" if allow_none else "")
-        raise ValueError(f"{name} must be one of {valid}; got {value!r}")
+        raise ConfigError(f"{name} must be one of {valid}; got {value!r}")
 
 
 __all__ = [

@@ -6,15 +6,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Sequence
+from gspo_lightning.errors import ConfigError
 
 __all__ = ["Evaluation", "pass_at_k", "pass_at_k_from_scores", "record_eval_rollout"]
 
 
 def _check_count(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"pass_at_k: {name} must be an int, got {value!r}")
+        raise ConfigError(f"pass_at_k: {name} must be an int, got {value!r}")
     if value < 0:
-        raise ValueError(f"pass_at_k: {name} must be non-negative, got {value}")
+        raise ConfigError(f"pass_at_k: {name} must be non-negative, got {value}")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -27,11 +28,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for name, value in (("n", n), ("c", c), ("k", k)):
         _check_count(name, value)
     if k < 1:
-        raise ValueError(f"pass_at_k: k must be >= 1, got {k}")
+        raise ConfigError(f"pass_at_k: k must be >= 1, got {k}")
     if k > n:
-        raise ValueError(f"pass_at_k: k ({k}) must not exceed the number of samples n ({n})")
+        raise ConfigError(f"pass_at_k: k ({k}) must not exceed the number of samples n ({n})")
     if c > n:
-        raise ValueError(f"pass_at_k: c ({c}) must not exceed the number of samples n ({n})")
+        raise ConfigError(f"pass_at_k: c ({c}) must not exceed the number of samples n ({n})")
     if n - c < k:  # every k-subset holds a correct sample
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
@@ -46,16 +47,16 @@ def pass_at_k_from_scores(
     least ``k`` samples (problems may have different sample counts).
     """
     if len(scores) == 0:
-        raise ValueError("pass_at_k_from_scores: scores is empty (no problems)")
+        raise ConfigError("pass_at_k_from_scores: scores is empty (no problems)")
     _check_count("k", k)
     if k < 1:
-        raise ValueError(f"pass_at_k: k must be >= 1, got {k}")
+        raise ConfigError(f"pass_at_k: k must be >= 1, got {k}")
     total = 0.0
     for p, samples in enumerate(scores):
         n = len(samples)
         c = sum(1 for s in samples if s is not None and s >= threshold)
         if k > n:
-            raise ValueError(
+            raise ConfigError(
                 f"pass_at_k_from_scores: problem {p} has {n} samples, fewer than k={k}"
             )
         total += pass_at_k(n, c, k)

@@ -18,6 +18,7 @@ from torch import Tensor
 from gspo_lightning.objective.terms import (
     MAX_LOG_RATIO, Count, aggregate_loss, kl_penalty, log_importance_ratio, masked_sequence_mean,
 )
+from gspo_lightning.errors import ConfigError
 
 Bound = Union[float, Tensor]
 
@@ -129,16 +130,16 @@ class PolicyObjective:
         aggregated by ``loss_agg_mode`` (see ``objective/loss.py``'s :func:`policy_loss` for every argument).
         Call it on :meth:`resolved` objectives (their level's defaults filled in)."""
         if mask.dim() != 2 or logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
-            raise ValueError(
+            raise ConfigError(
                 f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
                 f"{tuple(mask.shape)} must all be (B, T)"
             )
         if tuple(advantages.shape) not in (tuple(mask.shape[:1]), tuple(mask.shape)):
-            raise ValueError(f"advantages {tuple(advantages.shape)} must be (B,) = {tuple(mask.shape[:1])} or (B, T) = {tuple(mask.shape)}")
+            raise ConfigError(f"advantages {tuple(advantages.shape)} must be (B,) = {tuple(mask.shape[:1])} or (B, T) = {tuple(mask.shape)}")
         if ref_logprobs is not None and ref_logprobs.shape != mask.shape:
-            raise ValueError(f"ref_logprobs {tuple(ref_logprobs.shape)} must be (B, T) = {tuple(mask.shape)}")
+            raise ConfigError(f"ref_logprobs {tuple(ref_logprobs.shape)} must be (B, T) = {tuple(mask.shape)}")
         if kl_coef != 0.0 and ref_logprobs is None:
-            raise ValueError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef=0")
+            raise ConfigError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef=0")
         valid = mask.bool()
         zeros = torch.zeros_like(logprobs)
         # Sanitize first: a NaN at a masked position would otherwise come back as 0 * NaN = NaN
@@ -184,7 +185,7 @@ def check_non_negative(**settings: Optional[float]) -> None:
     """A ``ValueError`` naming the first setting below 0 (``None``: unset, left to a default)."""
     for key, value in settings.items():
         if value is not None and not value >= 0:
-            raise ValueError(f"{key} must be >= 0, got {value}")
+            raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
 def plain_class(objective: PolicyObjective) -> type[PolicyObjective]:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units, check_non_negative, log1p_bounds
+from gspo_lightning.errors import ConfigError
 
 # Clip ranges follow the level of the ratio they clip (GSPO paper, section 5.1 / ROLL).
 DEFAULT_CLIP = {"seq": (3e-4, 4e-4), "seq-token": (3e-4, 4e-4), "token": (0.2, 0.27)}
@@ -32,7 +33,7 @@ class PPOClip(PolicyObjective):
                  dual_clip: Optional[float] = None):
         check_non_negative(clip_low=clip_low, clip_high=clip_high)
         if dual_clip is not None and not dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1 (3 is usual) or null, got {dual_clip}")
+            raise ConfigError(f"dual_clip must be > 1 (3 is usual) or null, got {dual_clip}")
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
 
     def resolved(self, importance_sampling: str) -> "PPOClip":

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units
+from gspo_lightning.errors import ConfigError
 
 # a unit is "saturated" where the gate passes less than half of the on-policy gradient
 SATURATED_WEIGHT = 0.5
@@ -36,7 +37,7 @@ class SAPO(PolicyObjective):
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05):
         for key, value in (("tau_pos", tau_pos), ("tau_neg", tau_neg)):
             if not value > 0:
-                raise ValueError(f"{key} must be > 0 (the gate's slope; the paper: 1.0 / 1.05), got {value}")
+                raise ConfigError(f"{key} must be > 0 (the gate's slope; the paper: 1.0 / 1.05), got {value}")
         self.tau_pos, self.tau_neg = tau_pos, tau_neg
 
     def surprises(self, *, importance_sampling: str) -> list[str]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from gspo_lightning._imports import import_callable
+from gspo_lightning.errors import ConfigError
 
 # the keyword arguments every reward function receives besides the dataset columns
 RESERVED = ("prompts", "completions", "completion_ids")
@@ -109,9 +110,9 @@ class RewardComposer:
 
     def __init__(self, specs: list[Union[RewardSpec, dict, Callable]], on_error: str = "raise"):
         if not specs:
-            raise ValueError("no reward functions configured: set model.rewards to at least one function")
+            raise ConfigError("no reward functions configured: set model.rewards to at least one function")
         if on_error not in ("raise", "zero"):
-            raise ValueError(f"on_reward_error must be 'raise' or 'zero', got {on_error!r}")
+            raise ConfigError(f"on_reward_error must be 'raise' or 'zero', got {on_error!r}")
         self.on_error = on_error
         self.functions: list[tuple[str, float, Callable]] = []
         for spec in specs:
@@ -124,14 +125,14 @@ class RewardComposer:
             if spec.factory:
                 fn = fn(**spec.kwargs)
                 if not callable(fn):
-                    raise ValueError(f"reward factory {spec.function!r} returned {type(fn).__name__}, not a function")
+                    raise ConfigError(f"reward factory {spec.function!r} returned {type(fn).__name__}, not a function")
             elif spec.kwargs:
                 fn = functools.partial(fn, **spec.kwargs)
             name = spec.name or spec.function.replace(":", ".").rpartition(".")[2]
             self.functions.append((name, float(spec.weight), fn))
         names = self.names
         if len(set(names)) != len(names):
-            raise ValueError(f"reward function names must be unique, got {names}: set `name` on the duplicates")
+            raise ConfigError(f"reward function names must be unique, got {names}: set `name` on the duplicates")
         self.error_counts = {name: 0 for name in names}
 
     @property
@@ -158,12 +159,12 @@ class RewardComposer:
         columns = dict(columns or {})
         clash = [key for key in RESERVED if key in columns]
         if clash:
-            raise ValueError(f"dataset column(s) {clash} clash with reward function arguments {list(RESERVED)}: rename them")
+            raise ConfigError(f"dataset column(s) {clash} clash with reward function arguments {list(RESERVED)}: rename them")
         if completion_ids is not None and "completion_lengths" not in columns:
             columns["completion_lengths"] = [len(ids) for ids in completion_ids]
         for name, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
             if values is not None and len(values) != n:
-                raise ValueError(f"reward inputs disagree: {len(values)} {name} for {n} completions")
+                raise ConfigError(f"reward inputs disagree: {len(values)} {name} for {n} completions")
         if n and is_conversational(completions[0]):  # episodes: the messages after the prompt, as they are
             passed = list(completions)
         elif n and is_conversational(prompts[0]):

@@ -28,6 +28,7 @@ import re
 import threading
 from fractions import Fraction
 from typing import Any, Optional, Sequence
+from gspo_lightning.errors import ConfigError
 
 __all__ = [
     "math_accuracy",
@@ -63,7 +64,7 @@ def _as_text(value: Any) -> Optional[str]:
 
 def _check_lengths(completions: Sequence[Any], answer: Sequence[Any]) -> None:
     if len(completions) != len(answer):
-        raise ValueError(
+        raise ConfigError(
             f"got {len(completions)} completions but {len(answer)} answers; "
             "the answer column must be aligned with the completions"
         )

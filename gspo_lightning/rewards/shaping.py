@@ -12,6 +12,7 @@ import re
 from typing import Any, Optional, Sequence
 
 from gspo_lightning.rewards.math import _as_text
+from gspo_lightning.errors import ConfigError
 
 __all__ = ["format_reward", "length_penalty", "DEFAULT_FORMAT_PATTERN"]
 
@@ -32,7 +33,7 @@ def format_reward(
     try:
         regex = re.compile(pattern)
     except re.error as e:
-        raise ValueError(f"format_reward: invalid regex pattern {pattern!r}: {e}") from e
+        raise ConfigError(f"format_reward: invalid regex pattern {pattern!r}: {e}") from e
     scores = []
     for completion in completions:
         text = _as_text(completion)
@@ -69,16 +70,16 @@ def length_penalty(
     so the penalty falls linearly from 0 to -1 across the last ``buffer`` units.
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
-        raise ValueError(f"length_penalty: max_length must be a positive int, got {max_length!r}")
+        raise ConfigError(f"length_penalty: max_length must be a positive int, got {max_length!r}")
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer <= 0:
-        raise ValueError(f"length_penalty: buffer must be a positive int, got {buffer!r}")
+        raise ConfigError(f"length_penalty: buffer must be a positive int, got {buffer!r}")
     if buffer > max_length:
-        raise ValueError(
+        raise ConfigError(
             f"length_penalty: buffer ({buffer}) must not exceed max_length ({max_length})"
         )
     if completion_lengths is not None:
         if len(completion_lengths) != len(completions):
-            raise ValueError(
+            raise ConfigError(
                 f"length_penalty: got {len(completions)} completions but "
                 f"{len(completion_lengths)} completion_lengths"
             )

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from gspo_lightning.rollout.sampling import round_seed
 from gspo_lightning.rollout.worker import Rollout
+from gspo_lightning.errors import ConfigError
 
 
 def groups_with_variance(rewards: Tensor, group_size: int) -> Tensor:
@@ -46,7 +47,7 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
     first = rollouts[0]
     g = first.group_size
     if any(r.group_size != g or r.policy_version != first.policy_version for r in rollouts):
-        raise ValueError("select_groups merges rounds of one step: every rollout must have the same group size and policy "
+        raise ConfigError("select_groups merges rounds of one step: every rollout must have the same group size and policy "
                          f"version, got {[(r.group_size, r.policy_version) for r in rollouts]}")
     # the trainer's log-probs at the sampling weights exist for a round or not; mixed, none are kept
     with_behaviour = all(r.behaviour_trainer_logprobs is not None for r in rollouts)
@@ -127,7 +128,7 @@ class DynamicSampler:
 
     def __init__(self, max_extra_rounds: int):
         if max_extra_rounds < 0:
-            raise ValueError(f"max_sampling_rounds must be >= 0 (extra generation rounds per step), got {max_extra_rounds}")
+            raise ConfigError(f"max_sampling_rounds must be >= 0 (extra generation rounds per step), got {max_extra_rounds}")
         self.max_extra_rounds = max_extra_rounds
 
     def fill(

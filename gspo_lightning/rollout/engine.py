@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
+from gspo_lightning.errors import ConfigError
 
 if TYPE_CHECKING:
     from gspo_lightning.models.lora import LoRA
@@ -51,13 +52,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens (response_length) must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens (response_length) must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
 
 
 @dataclass
@@ -135,7 +136,7 @@ def check_lora_sync(engine: str, lora_sync: Optional[str]) -> Optional[str]:
     """An engine's ``lora_sync`` argument, checked when the config is parsed (``engine`` names
     the engine in the error): ``adapter``, ``merged`` or ``None`` (adapter for a LoRA policy)."""
     if lora_sync not in (None, "adapter", "merged"):
-        raise ValueError(f"{engine} lora_sync must be adapter, merged or null (adapter for a LoRA policy), "
+        raise ConfigError(f"{engine} lora_sync must be adapter, merged or null (adapter for a LoRA policy), "
                          f"got {lora_sync!r}")
     return lora_sync
 
@@ -145,7 +146,7 @@ def lora_weights_format(engine: str, lora_sync: Optional[str], lora: Optional["L
     is ``lora`` (``EngineSpec.lora``; ``None``: no LoRA): ``adapter`` for a LoRA policy unless
     ``lora_sync`` is ``merged``, else ``full``."""
     if lora_sync == "adapter" and lora is None:
-        raise ValueError(f"{engine} lora_sync: adapter needs a LoRA policy (model.lora); remove lora_sync or set "
+        raise ConfigError(f"{engine} lora_sync: adapter needs a LoRA policy (model.lora); remove lora_sync or set "
                          "model.lora")
     return "adapter" if lora is not None and lora_sync != "merged" else "full"
 

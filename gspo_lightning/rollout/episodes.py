@@ -30,7 +30,7 @@ import torch
 
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.multi_turn import MultiTurn
-from gspo_lightning.errors import EpisodeError
+from gspo_lightning.errors import ConfigError, EpisodeError
 from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 
@@ -121,7 +121,7 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
             messages = environment.reset(dict(row), as_messages(prompt))
             ids = multi_turn.renderer.prompt_ids(messages)
             if multi_turn.prompt_length is not None and len(ids) > multi_turn.prompt_length:
-                raise ValueError(f"an episode's prompt is {len(ids)} tokens (the row's prompt with the environment's "
+                raise ConfigError(f"an episode's prompt is {len(ids)} tokens (the row's prompt with the environment's "
                                  f"first messages and the tools' description), more than data.prompt_length="
                                  f"{multi_turn.prompt_length}: raise data.prompt_length to at least {len(ids)}")
             episodes.append(Episode(environment, messages, ids, len(messages)))

@@ -23,6 +23,7 @@ from gspo_lightning.rollout import kv_decode, stop
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.phases import PHASES
 from gspo_lightning.rollout.sampling import filter_logits
+from gspo_lightning.errors import ConfigError
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -76,7 +77,7 @@ class HFEngine(RolloutEngine):
     def __init__(self, generation_batch_size: Optional[int] = None):
         super().__init__()
         if generation_batch_size is not None and generation_batch_size < 1:
-            raise ValueError(f"generation_batch_size must be >= 1 or null, got {generation_batch_size}")
+            raise ConfigError(f"generation_batch_size must be >= 1 or null, got {generation_batch_size}")
         self.generation_batch_size = generation_batch_size
         self.model: Optional[nn.Module] = None
         self.eos_token_ids: list[int] = []
@@ -85,7 +86,7 @@ class HFEngine(RolloutEngine):
 
     def start(self, spec: EngineSpec) -> None:
         if spec.policy is None:
-            raise ValueError("HFEngine samples from the policy itself: EngineSpec.policy must be the training model")
+            raise ConfigError("HFEngine samples from the policy itself: EngineSpec.policy must be the training model")
         self.model = spec.policy
         self.eos_token_ids = list(spec.eos_token_ids)
         self.pad_token_id = spec.pad_token_id
@@ -94,7 +95,7 @@ class HFEngine(RolloutEngine):
 
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+            raise ConfigError("every prompt needs at least one token")
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         # chunks hold whole groups: generation_batch_size responses -> that many // n prompts

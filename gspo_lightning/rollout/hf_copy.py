@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from gspo_lightning.rollout.engine import EngineSpec, WeightsIterator
 from gspo_lightning.rollout.hf import HFEngine
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
+from gspo_lightning.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -62,9 +63,9 @@ class HFCopyEngine(HFEngine):
                  generation_batch_size: Optional[int] = None):
         super().__init__(generation_batch_size=generation_batch_size)
         if dtype not in DTYPES:
-            raise ValueError(f"HFCopyEngine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ConfigError(f"HFCopyEngine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if weight_quantization not in (None, "fp8"):
-            raise ValueError(f"HFCopyEngine weight_quantization must be 'fp8' or null, got {weight_quantization!r}")
+            raise ConfigError(f"HFCopyEngine weight_quantization must be 'fp8' or null, got {weight_quantization!r}")
         self.dtype = dtype
         self.weight_quantization = weight_quantization
         self.pushes = 0  # update_weights calls (one per policy version that sampled)
@@ -75,7 +76,7 @@ class HFCopyEngine(HFEngine):
         super().start(spec)  # eos / pad ids, lockstep; self.model is the policy for now
         policy = spec.policy
         if spec.lockstep is not None or any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in policy.parameters()):
-            raise ValueError("HFCopyEngine keeps a whole copy of the policy: it does not run with a sharded policy "
+            raise ConfigError("HFCopyEngine keeps a whole copy of the policy: it does not run with a sharded policy "
                              "(FSDP / FSDP2 / ZeRO-3); use it with one process or DDP")
         # a fresh model from the config, not a deepcopy: the policy may carry hooks (MoE routing
         # records) and optimizer-side state that the copy must not inherit
@@ -103,7 +104,7 @@ class HFCopyEngine(HFEngine):
             if target is None:
                 raise KeyError(f"HFCopyEngine: the policy sent {name!r}, which its copy does not have")
             if target.shape != tensor.shape:
-                raise ValueError(f"HFCopyEngine: {name!r} has shape {tuple(tensor.shape)}, the copy {tuple(target.shape)}")
+                raise ConfigError(f"HFCopyEngine: {name!r} has shape {tuple(tensor.shape)}, the copy {tuple(target.shape)}")
             target.copy_(tensor.detach())  # casts to the copy's dtype
             if name in self._quantized:
                 target.copy_(fp8_round(target))

@@ -37,6 +37,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from gspo_lightning.rollout.worker import Rollout
+from gspo_lightning.errors import ConfigError
 
 StaleRollouts = Literal["regenerate", "reweight"]
 
@@ -83,9 +84,9 @@ class RolloutPipeline:
     def __init__(self, generate: Callable[[dict, int], Rollout], batch_at: Callable[[int], dict], max_staleness: int,
                  stale_rollouts: StaleRollouts = "regenerate", gather: Callable[[Any], list] = lambda value: [value]):
         if max_staleness < 1:
-            raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
+            raise ConfigError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
         if stale_rollouts not in ("regenerate", "reweight"):
-            raise ValueError(f"stale_rollouts must be regenerate or reweight, got {stale_rollouts!r}")
+            raise ConfigError(f"stale_rollouts must be regenerate or reweight, got {stale_rollouts!r}")
         self.generate, self.batch_at = generate, batch_at
         self.max_staleness, self.stale_rollouts = max_staleness, stale_rollouts
         self.gather = gather

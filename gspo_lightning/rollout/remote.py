@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gspo_lightning.errors import RolloutServerError
+from gspo_lightning.errors import ConfigError, RolloutServerError
 from gspo_lightning.rollout.engine import (
     EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, check_lora_sync, lora_weights_format,
 )
@@ -183,15 +184,15 @@ class RemoteEngine(RolloutEngine):
         self.base_checksum: Optional[str] = None  # of the policy's frozen base, in adapter format
         for url in urls or []:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"RemoteEngine urls must look like http://host:port, got {url!r}")
+                raise ConfigError(f"RemoteEngine urls must look like http://host:port, got {url!r}")
         if urls is not None and not urls:
-            raise ValueError("RemoteEngine urls is empty: list the servers, or set urls: null to start one here")
+            raise ConfigError("RemoteEngine urls is empty: list the servers, or set urls: null to start one here")
         if timeout_s <= 0 or reconnect_s < 0 or start_timeout_s <= 0:
-            raise ValueError("RemoteEngine timeout_s and start_timeout_s must be > 0, reconnect_s >= 0")
+            raise ConfigError("RemoteEngine timeout_s and start_timeout_s must be > 0, reconnect_s >= 0")
         if server_threads < 1:
-            raise ValueError(f"RemoteEngine server_threads must be >= 1, got {server_threads}")
+            raise ConfigError(f"RemoteEngine server_threads must be >= 1, got {server_threads}")
         if not max_reply_mb > 0:
-            raise ValueError(f"RemoteEngine max_reply_mb must be > 0, got {max_reply_mb}")
+            raise ConfigError(f"RemoteEngine max_reply_mb must be > 0, got {max_reply_mb}")
         self.urls = list(urls) if urls else None
         self.server_engine = dict(server_engine) if server_engine else None
         self.transport = transport if transport is not None else FolderTransport()
@@ -224,7 +225,7 @@ class RemoteEngine(RolloutEngine):
             return
         self.rank, self.world_size, self.pad_token_id = spec.rank, spec.world_size, spec.pad_token_id
         if spec.policy is None:
-            raise ValueError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
+            raise ConfigError("RemoteEngine checks the servers' model against the policy: EngineSpec.policy must be set")
         self.vocab_size = output_rows(spec.policy)
         self.weights_format = lora_weights_format("RemoteEngine", self.lora_sync, spec.lora)
         adapter = self.weights_format == "adapter"
@@ -373,7 +374,7 @@ class RemoteEngine(RolloutEngine):
         if self.token is None:
             raise RuntimeError("RemoteEngine.generate before start()")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+            raise ConfigError("every prompt needs at least one token")
         version = self.weights_version
         chunks = split_evenly(len(prompt_ids), len(self.urls))
         jobs = [(url, prompt_ids[a:b], server_share_seed(seed, k)) for k, (url, (a, b)) in enumerate(zip(self.urls, chunks)) if b > a]
@@ -571,6 +572,7 @@ class ChildServer:
         return url
 
     def stop(self) -> None:
+        crashed = self.process is not None and self.process.poll() not in (None, 0)  # it ended before we stopped it
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -580,8 +582,23 @@ class ChildServer:
                 self.process.wait()
         self.process = None
         if self.folder is not None:
+            self._keep_a_failed_log(Path(self.folder.name) / "server.log", crashed)
             self.folder.cleanup()
             self.folder = None
+
+    @staticmethod
+    def _keep_a_failed_log(log: Path, crashed: bool) -> None:
+        """A server that crashed, or whose log holds a traceback, leaves its log behind (in a
+        folder of its own that only this user reads): the evidence outlives the run's cleanup."""
+        try:
+            failed = crashed or "Traceback (most recent call last)" in log.read_text(errors="replace")
+        except OSError:
+            return
+        if failed:
+            kept = Path(tempfile.mkdtemp(prefix="gspo-server-log-")) / "server.log"
+            shutil.move(str(log), kept)
+            print(f"rollout server log kept: {kept} (the server {'crashed' if crashed else 'logged an error'})",
+                  file=sys.stderr, flush=True)
 
 
 __all__ = ["ChildServer", "RemoteEngine", "output_rows", "replies_to_generation", "request_json", "split_evenly"]

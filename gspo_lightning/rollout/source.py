@@ -29,6 +29,7 @@ from gspo_lightning.rollout.dynamic_sampling import DynamicSampler
 from gspo_lightning.rollout.engine import RolloutEngine, WeightsSource
 from gspo_lightning.rollout.pipeline import RolloutPipeline, StaleRollouts
 from gspo_lightning.rollout.worker import Rollout, RolloutWorker
+from gspo_lightning.errors import ConfigError
 
 Stats = dict[str, float]
 
@@ -176,19 +177,19 @@ def rollout_source(worker: RolloutWorker, policy_weights: WeightsSource, device:
             return SynchronousRollouts(worker, policy_weights, device, seed)
         more_prompts = getattr(datamodule, "extra_batch", None)
         if more_prompts is None or sharded:
-            raise ValueError("model.dynamic_sampling needs the PromptDataModule (its extra prompt stream) and an "
+            raise ConfigError("model.dynamic_sampling needs the PromptDataModule (its extra prompt stream) and an "
                              "unsharded policy (ranks generate different numbers of rounds): turn it off or use data: "
                              "PromptDataModule without FSDP")
         return SynchronousRollouts(worker, policy_weights, device, seed, sampler=DynamicSampler(dynamic_sampling_rounds),
                                    more_prompts=more_prompts, pad_token_id=pad_token_id)
     engine = worker.engine
     if engine.shares_policy_weights:
-        raise ValueError(f"max_staleness={max_staleness} generates while the policy trains, but {type(engine).__name__} "
+        raise ConfigError(f"max_staleness={max_staleness} generates while the policy trains, but {type(engine).__name__} "
                          f"samples from the policy's own weights: use an engine with its own copy "
                          f"(gspo_lightning.rollout.HFCopyEngine with dtype float32, or VLLMEngine) or max_staleness: 0")
     batch_at = getattr(datamodule, "train_batch", None)
     if batch_at is None:
-        raise ValueError("max_staleness > 0 reads the prompt batches of future steps with the data module's "
+        raise ConfigError("max_staleness > 0 reads the prompt batches of future steps with the data module's "
                          "train_batch(index): use gspo_lightning.data.PromptDataModule (or give yours that method)")
     return PipelinedRollouts(worker, policy_weights, device, seed, batch_at=batch_at, max_staleness=max_staleness,
                              stale_rollouts=stale_rollouts, behaviour_logprobs=behaviour_logprobs, gather=gather)

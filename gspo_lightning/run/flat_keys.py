@@ -14,6 +14,7 @@ from typing import Optional
 import yaml
 
 from gspo_lightning.training.config import BLOCK_OF, OBJECTIVE_KEYS, nest_flat_keys, objective_spelling, rename_note
+from gspo_lightning.errors import ConfigError
 
 
 def translate_args(args: list[str]) -> tuple[list[str], Optional[str]]:
@@ -83,7 +84,7 @@ def _objective_args(flat: dict[str, str]) -> list[str]:
     if name is not None:
         cls = OBJECTIVES.get(name)
         if cls is None:
-            raise ValueError(f"model.policy_loss_type must be one of {', '.join(map(repr, OBJECTIVES))}; got {name!r}")
+            raise ConfigError(f"model.policy_loss_type must be one of {', '.join(map(repr, OBJECTIVES))}; got {name!r}")
         args.append(f"--model.objective.policy_loss={cls.__module__}.{cls.__qualname__}")
     legacy = {key: arg for cls in OBJECTIVES.values() for key, arg in cls.LEGACY_KEYS.items()}
     for key in ("clip_low", "clip_high", "sapo_tau_pos", "sapo_tau_neg"):

@@ -25,7 +25,7 @@ from typing import Optional
 
 import lightning as L
 
-from gspo_lightning.errors import AgentError, NonFiniteError, RolloutServerError
+from gspo_lightning.errors import AgentError, ConfigError, NonFiniteError, RolloutServerError
 from gspo_lightning.rewards.base import RewardError
 from gspo_lightning.rollout import stop
 
@@ -72,7 +72,7 @@ class PreemptionCheckpoint(L.Callback):
 
     def __init__(self, stop_grace_s: float = 10.0) -> None:
         if stop_grace_s <= 0:
-            raise ValueError(f"stop_grace_s={stop_grace_s:g}: give the seconds a stop may take (docker stop "
+            raise ConfigError(f"stop_grace_s={stop_grace_s:g}: give the seconds a stop may take (docker stop "
                              "allows 10, SLURM its --signal lead time)")
         self.stop_grace_s = stop_grace_s
         self.interrupted = False

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 from gspo_lightning.rollout.phases import PHASES
+from gspo_lightning.errors import ConfigError
 
 DESCRIPTION = "step"
 SHOW_PHASE_AFTER_S = 2.0  # a bar's title names the phase once a step runs this long (no flicker on fast steps)
@@ -178,6 +179,9 @@ class RichStepProgressBar(_TickingBar, RichProgressBar):
         self.refresh()
 
 
+ESTIMATE_AFTER_STEPS = 3  # steps timed after the first before a line says how long is left
+
+
 class LineProgressBar(ProgressBar):
     """Progress as plain lines, for logs (no terminal: ``nohup``, SLURM, a pipe).
 
@@ -185,6 +189,8 @@ class LineProgressBar(ProgressBar):
     step that ends ``interval_s`` seconds or more after the last line, and after the last step::
 
         step 15/150  reward 0.412  step_s 0.21  elapsed 0:00:03  left ~0:00:28
+
+    ("left: estimating" until three steps after the first are timed: the first warms up.)
 
     While a step or an evaluation runs, a line every ``interval_s`` seconds naming its phase,
     and, once steps take longer than ``interval_s``, one line as each phase starts::
@@ -195,9 +201,9 @@ class LineProgressBar(ProgressBar):
     def __init__(self, every_n_steps: Optional[int] = None, interval_s: float = 30.0) -> None:
         super().__init__()
         if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be at least 1 (or null: a tenth of max_steps), got {every_n_steps}")
+            raise ConfigError(f"every_n_steps must be at least 1 (or null: a tenth of max_steps), got {every_n_steps}")
         if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s}")
+            raise ConfigError(f"interval_s must be positive, got {interval_s}")
         self.every_n_steps, self.interval_s = every_n_steps, interval_s
         self._enabled = True
         self._ticker = Ticker(self._tick)
@@ -264,6 +270,7 @@ class LineProgressBar(ProgressBar):
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = time.monotonic()
         self._first_step = trainer.global_step
+        self._first_step_end = self._started
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._running = (self._step_name(trainer, trainer.global_step + 1), time.monotonic())
@@ -281,8 +288,15 @@ class LineProgressBar(ProgressBar):
         elapsed = now - (self._started or now)
         parts.append(f"elapsed {duration(elapsed)}")
         total, done = self._total(trainer), step - self._first_step
-        if total and done > 0 and total > step:
-            parts.append(f"left ~{duration(elapsed / done * (total - step))}")
+        if done == 1:
+            self._first_step_end = now
+        if total and total > step:
+            # the first step warms caches and times the CPU-thread trial: the pace is the later steps'
+            timed = done - 1
+            if timed >= ESTIMATE_AFTER_STEPS:
+                parts.append(f"left ~{duration((now - self._first_step_end) / timed * (total - step))}")
+            else:
+                parts.append("left: estimating")
         self.print("  ".join(parts))
 
     def on_validation_start(self, trainer, pl_module) -> None:

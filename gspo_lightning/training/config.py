@@ -19,7 +19,8 @@ from gspo_lightning.objective.loss import objective_from_keywords, objective_spe
 from gspo_lightning.objective.passk import Evaluation
 from gspo_lightning.objective.settings import Objective
 from gspo_lightning.rollout.settings import Asynchronous, RolloutSettings
-from gspo_lightning.training.update import Update
+from gspo_lightning.errors import ConfigError
+from gspo_lightning.training.update import Update, plan_batches
 
 BLOCKS: dict[str, type] = {
     "policy": Policy, "rollout": RolloutSettings, "evaluation": Evaluation, "advantages": Advantages,
@@ -45,7 +46,7 @@ def nest_flat_keys(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[st
         if key in BLOCK_OF:
             block = nested.setdefault(BLOCK_OF[key], {})
             if not isinstance(block, dict):  # a block given as an object: the flat key would be lost
-                raise ValueError(f"model.{key} and model.{BLOCK_OF[key]} are both set: write {key} inside {BLOCK_OF[key]}")
+                raise ConfigError(f"model.{key} and model.{BLOCK_OF[key]} are both set: write {key} inside {BLOCK_OF[key]}")
             block[key] = value
             renames.append((key, f"{BLOCK_OF[key]}.{key}"))
     flat_objective = {key: model[key] for key in OBJECTIVE_KEYS if key in model}
@@ -117,8 +118,17 @@ def check_config(*, policy: Policy, rollout: RolloutSettings, evaluation: Evalua
                         "ahead (max_staleness > 0) cannot: turn one of them off")
     if update.routing_replay and objective.old_logprobs == "engine":
         problems.append("routing_replay records routing in the trainer's old-policy pass: set old_logprobs=recompute")
+    if rollout.rollout_batch_size is not None and not problems:
+        # sizes that cannot divide a step on one rank divide it on no number of ranks: say so now, before
+        # a model loads (the ranks' own split is checked when the run knows them)
+        try:
+            plan_batches(rollout.rollout_batch_size, 1, group_size=rollout.num_return_sequences_in_group,
+                         num_mini_batches=update.num_mini_batches, mini_batch_size=update.mini_batch_size,
+                         micro_batch_size=update.micro_batch_size, ppo_epochs=update.ppo_epochs)
+        except ConfigError as err:
+            problems.append(str(err))
     if problems:
-        raise ValueError("invalid GSPO configuration:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("invalid GSPO configuration:\n  - " + "\n  - ".join(problems))
     for surprise in (objective.policy_loss.surprises(importance_sampling=objective.importance_sampling)
                      + advantages.surprises() + asynchronous.surprises(old_logprobs=objective.old_logprobs)):
         warnings.warn(surprise, stacklevel=4)

@@ -19,6 +19,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from gspo_lightning.errors import ConfigError
 
 
 def all_reduce_sum(tensor: Tensor) -> Tensor:
@@ -55,7 +56,7 @@ def check_strategy(strategy) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
     if isinstance(strategy, FSDPStrategy):
-        raise ValueError(
+        raise ConfigError(
             "trainer.strategy FSDPStrategy (FSDP1) cannot train GSPO: a step calls backward inside "
             "training_step, which FSDP1 runs inside its root module's forward, and its first backward fails "
             "(Lightning issue #19685). Use FSDP2 instead: "

@@ -32,7 +32,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.errors import ConfigError, NonFiniteError
 from gspo_lightning.episodes.multi_turn import MultiTurn, check_episode_objective
 from gspo_lightning.models.cpu_attention import group_attention_on_cpu
 from gspo_lightning.models.gguf import resolve_model
@@ -225,10 +225,17 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
     def configure_optimizers(self):
         self.configure_model()
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+        try:  # torch checks the values itself, in its own words ("Invalid learning rate: -0.001"): name the key
+            optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model.optimizer: {err}; change it in model.optimizer.init_args") from err
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+        try:
+            scheduler = self.scheduler_factory(optimizer)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model.lr_scheduler: {err}; change it in model.lr_scheduler.init_args") from err
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- the run's lifecycle -----------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -236,7 +243,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         self.configure_model()
         group_attention_on_cpu(self.trainer.strategy.root_device)  # no key/value copies per query head
         if self.worker.rewards is None and (self.episodes is None or self.episodes.agent is None):
-            raise ValueError("no reward functions configured: set model.rewards, e.g. "
+            raise ConfigError("no reward functions configured: set model.rewards, e.g. "
                              "[{function: gspo_lightning.rewards.math_accuracy}] (an agent that returns rewards "
                              "needs none)")
 
@@ -303,7 +310,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         step, max_steps = self.trainer.global_step, self.trainer.max_steps
         if not self._trained_this_fit and max_steps is not None and 0 <= max_steps <= step:
             # Lightning restores the step after on_fit_start, then finds nothing to do: say so, export nothing
-            raise ValueError(f"the run is already at step {step} and trainer.max_steps={max_steps}: nothing to train. "
+            raise ConfigError(f"the run is already at step {step} and trainer.max_steps={max_steps}: nothing to train. "
                              f"To continue from this checkpoint, set --trainer.max_steps above {step}")
 
     # -- one step ----------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Callable, ContextManager, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from gspo_lightning.errors import NonFiniteError
+from gspo_lightning.errors import ConfigError, NonFiniteError
 from gspo_lightning.objective.settings import Objective
 from gspo_lightning.objective.terms import masked_sequence_mean
 from gspo_lightning.rollout.worker import Rollout
@@ -209,17 +209,17 @@ def plan_batches(prompts_per_step: int, world: int, *, group_size: int, num_mini
     row; unknown: the whole mini-batch). Raises when the sizes do not divide the step; warns
     (``warn_no_clip``) when one update per rollout makes every ratio exactly 1."""
     if prompts_per_step % world:
-        raise ValueError(f"data.rollout_batch_size={prompts_per_step} does not split over {world} ranks")
+        raise ConfigError(f"data.rollout_batch_size={prompts_per_step} does not split over {world} ranks")
     local = prompts_per_step // world * group_size
     if mini_batch_size is not None:
         if mini_batch_size % world or local % (mini_batch_size // world):
-            raise ValueError(f"mini_batch_size={mini_batch_size} must be a multiple of the {world} rank(s) and divide "
+            raise ConfigError(f"mini_batch_size={mini_batch_size} must be a multiple of the {world} rank(s) and divide "
                              f"the {local * world} responses of a step (rollout_batch_size x num_return_sequences_in_group)")
         mini = mini_batch_size // world
     else:
         splits = num_mini_batches or 1
         if local % splits:
-            raise ValueError(f"num_mini_batches={splits} does not divide the {local} responses of a step on each rank "
+            raise ConfigError(f"num_mini_batches={splits} does not divide the {local} responses of a step on each rank "
                              f"(rollout_batch_size x num_return_sequences_in_group / ranks)")
         mini = local // splits
     if micro_batch_size is None and tokens_per_response:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import re
+from gspo_lightning.errors import ConfigError
 
 QUESTION = "What is {a} + {b}? Answer with only the number."
 ALL_PAIRS = [(a, b) for a in range(10) for b in range(10)]
@@ -71,7 +72,7 @@ def last_integer(text: str):
 def addition_reward(prompts: list, completions: list, answer: list[str], **columns) -> list[float]:
     """1.0 when the completion's last integer equals ``answer``, else 0.0."""
     if len(completions) != len(answer):
-        raise ValueError(f"addition_reward got {len(completions)} completions but {len(answer)} answers")
+        raise ConfigError(f"addition_reward got {len(completions)} completions but {len(answer)} answers")
     scores = []
     for completion, wanted in zip(completions, answer):
         text = completion if isinstance(completion, str) else completion[-1]["content"]  # conversational

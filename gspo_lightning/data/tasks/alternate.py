@@ -11,6 +11,7 @@ Same 14-word vocabulary as echo, so ``builtin:tiny-echo`` / ``builtin:tiny-moe-e
 from __future__ import annotations
 
 import random
+from gspo_lightning.errors import ConfigError
 
 LENGTH = 8
 
@@ -29,7 +30,7 @@ def make_rows(num_rows: int, seed: int) -> list[dict]:
 def alternate_reward(prompts: list[str], completions: list[str], target: list[str], **columns) -> list[float]:
     """Share of the first ``LENGTH`` words of each completion equal to the target's word there."""
     if len(completions) != len(target):
-        raise ValueError(f"alternate_reward got {len(completions)} completions but {len(target)} targets")
+        raise ConfigError(f"alternate_reward got {len(completions)} completions but {len(target)} targets")
     scores = []
     for completion, wanted in zip(completions, target):
         words, goal = completion.split()[:LENGTH], wanted.split()

@@ -9,6 +9,7 @@ Nothing is learned before RL: the model starts from random weights.
 from __future__ import annotations
 
 import random
+from gspo_lightning.errors import ConfigError
 
 REPEATS = 4
 
@@ -26,7 +27,7 @@ def make_rows(num_rows: int, seed: int) -> list[dict]:
 def echo_reward(prompts: list[str], completions: list[str], target: list[str], **columns) -> list[float]:
     """Share of the first ``REPEATS`` words of each completion equal to its target digit."""
     if len(completions) != len(target):
-        raise ValueError(f"echo_reward got {len(completions)} completions but {len(target)} targets")
+        raise ConfigError(f"echo_reward got {len(completions)} completions but {len(target)} targets")
     scores = []
     for completion, digit in zip(completions, target):
         words = completion.split()[:REPEATS]

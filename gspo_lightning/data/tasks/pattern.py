@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from typing import Literal
+from gspo_lightning.errors import ConfigError
 
 DEFAULT_LENGTH = 32
 ALL_PAIRS = [(a, b) for a in range(10) for b in range(10)]
@@ -26,9 +27,9 @@ def make_rows(num_rows: int, seed: int, length: int = DEFAULT_LENGTH,
               split: Literal["train", "heldout"] = "train") -> list[dict]:
     """Rows with a ``prompt`` and the ``target`` completion (``length`` words)."""
     if length < 1:
-        raise ValueError(f"length must be >= 1, got {length}")
+        raise ConfigError(f"length must be >= 1, got {length}")
     if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+        raise ConfigError(f"split must be 'train' or 'heldout', got {split!r}")
     pairs = sorted(HELDOUT_PAIRS) if split == "heldout" else [p for p in ALL_PAIRS if p not in HELDOUT_PAIRS]
     rng = random.Random(seed)
     rows = []
@@ -53,7 +54,7 @@ def make_heldout_rows(num_rows: int, seed: int) -> list[dict]:
 def pattern_reward(prompts: list[str], completions: list[str], target: list[str], **columns) -> list[float]:
     """Share of the target's positions where the completion has the target's word."""
     if len(completions) != len(target):
-        raise ValueError(f"pattern_reward got {len(completions)} completions but {len(target)} targets")
+        raise ConfigError(f"pattern_reward got {len(completions)} completions but {len(target)} targets")
     scores = []
     for completion, wanted in zip(completions, target):
         goal = wanted.split()

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from gspo_lightning.episodes.parsers import ToolCall, ToolCallParser
 from gspo_lightning.episodes.template import ChatRenderer, TemplateNotAppendOnly
+from gspo_lightning.errors import ConfigError
 
 
 def content_text(content: Any) -> str:
@@ -36,7 +37,7 @@ def content_text(content: Any) -> str:
         return content
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
-    raise ValueError(f"a message's content must be text or a list of parts, got {type(content).__name__}")
+    raise ConfigError(f"a message's content must be text or a list of parts, got {type(content).__name__}")
 
 
 def tool_calls_of(message: dict) -> list[ToolCall]:
@@ -49,7 +50,7 @@ def tool_calls_of(message: dict) -> list[ToolCall]:
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as err:
-                raise ValueError(f"a tool call's arguments are not JSON: {arguments[:80]!r}") from err
+                raise ConfigError(f"a tool call's arguments are not JSON: {arguments[:80]!r}") from err
         calls.append(ToolCall(name=str(function.get("name", "")), arguments=arguments if isinstance(arguments, dict) else {}))
     return calls
 

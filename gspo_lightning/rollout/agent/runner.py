@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from gspo_lightning.episodes.multi_turn import MultiTurn
-from gspo_lightning.errors import AgentError
+from gspo_lightning.errors import AgentError, ConfigError
 from gspo_lightning.rewards.base import is_async_callable
 from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.agent.endpoint import AgentEndpoint, TurnLimits
@@ -54,7 +54,7 @@ class AgentRunner:
 
     def __init__(self, multi_turn: MultiTurn, model_name: str, local_rank: int = 0):
         if multi_turn.agent_function is None:
-            raise ValueError("AgentRunner needs model.episodes.agent")
+            raise ConfigError("AgentRunner needs model.episodes.agent")
         self.multi_turn = multi_turn
         self.model_name = model_name
         self.endpoint = AgentEndpoint(multi_turn.tokenizer, multi_turn.tool_call_parser, multi_turn.renderer_options,

@@ -19,6 +19,7 @@ import os
 import secrets
 from pathlib import Path
 from typing import Mapping, Optional
+from gspo_lightning.errors import ConfigError
 
 SECRET_ENV = "GSPO_SERVER_TOKEN"
 MIN_SECRET_CHARS = 16
@@ -35,16 +36,16 @@ def read_secret(token_file: Optional[str] = None, environ: Mapping[str, str] = o
         try:
             secret, where = path.read_text().strip(), f"token file {path}"
         except OSError as error:
-            raise ValueError(f"cannot read the rollout server's token file {path}: {error.strerror}") from None
+            raise ConfigError(f"cannot read the rollout server's token file {path}: {error.strerror}") from None
     else:
         secret, where = environ.get(SECRET_ENV, "").strip(), f"${SECRET_ENV}"
         if not secret:
             return None
     if len(secret) < MIN_SECRET_CHARS:
-        raise ValueError(f"the rollout server secret in {where} has {len(secret)} characters; use at least "
+        raise ConfigError(f"the rollout server secret in {where} has {len(secret)} characters; use at least "
                          f"{MIN_SECRET_CHARS} random ones ({HOW_TO_MAKE_ONE})")
     if not secret.isascii() or any(c.isspace() or not c.isprintable() for c in secret):
-        raise ValueError(f"the rollout server secret in {where} holds whitespace, control or non-ASCII characters: it "
+        raise ConfigError(f"the rollout server secret in {where} holds whitespace, control or non-ASCII characters: it "
                          f"travels in an HTTP header; use letters and digits ({HOW_TO_MAKE_ONE})")
     return secret
 

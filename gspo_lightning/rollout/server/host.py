@@ -26,6 +26,7 @@ from gspo_lightning.rollout.engine import EngineSpec, RolloutEngine, SamplingPar
 from gspo_lightning.rollout.server.lease import SessionLease
 from gspo_lightning.rollout.server.limits import ServerLimits
 from gspo_lightning.rollout.transport import RECEIVERS, WeightsChecksum, WeightTransport, default_weights_root
+from gspo_lightning.errors import ConfigError
 
 DEFAULT_ENGINE = {"class_path": "gspo_lightning.rollout.HFEngine", "init_args": {}}
 
@@ -80,9 +81,9 @@ def build_engine(engine: dict) -> RolloutEngine:
         class_path = f"gspo_lightning.rollout.{class_path}"
     cls = import_object(class_path, "server engine")
     if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
-        raise ValueError(f"server engine {class_path!r} is not a gspo_lightning RolloutEngine")
+        raise ConfigError(f"server engine {class_path!r} is not a gspo_lightning RolloutEngine")
     if getattr(cls, "is_client", False):
-        raise ValueError(f"a rollout server cannot host {cls.__name__}, the client engine: give it a generating engine "
+        raise ConfigError(f"a rollout server cannot host {cls.__name__}, the client engine: give it a generating engine "
                          "(gspo_lightning.rollout.HFEngine or VLLMEngine)")
     return cls(**dict(engine.get("init_args") or {}))
 
@@ -161,7 +162,7 @@ class RolloutServer:
             policy=model, tokenizer=tokenizer, lora=lora,
         ))
         if lora is not None and not self.engine.shares_policy_weights and self.engine.weights_format != "adapter":
-            raise ValueError(f"the server engine {self.identity['engine']} does not serve LoRA adapters, and the trainer "
+            raise ConfigError(f"the server engine {self.identity['engine']} does not serve LoRA adapters, and the trainer "
                              "pushes them (spec.lora): host an engine that does (HFEngine, VLLMEngine) or have the trainer "
                              "push merged weights (model.engine.init_args.lora_sync: merged)")
         # the model the engine samples from, to read its weights back after a load (HF engines);
@@ -177,7 +178,7 @@ class RolloutServer:
     def _receiver(self, kind: Any, token: str) -> WeightTransport:
         """The receiving side of transport ``kind`` for the session ``token`` (hold the condition)."""
         if kind not in RECEIVERS:
-            raise ValueError(f"unknown weight transport {str(kind)[:40]!r}; this server reads {sorted(RECEIVERS)}")
+            raise ConfigError(f"unknown weight transport {str(kind)[:40]!r}; this server reads {sorted(RECEIVERS)}")
         if token != self._receivers_session:  # another trainer: nothing of the last one's is reused
             for receiver in self._receivers.values():
                 receiver.close()
@@ -205,7 +206,7 @@ class RolloutServer:
             self.checksum = None
             self._load_pairs(pairs(), int(version))
             if received.hexdigest() != manifest.get("checksum"):
-                raise ValueError("the weights read differ from what the trainer sent (checksum): a partial or stale "
+                raise ConfigError("the weights read differ from what the trainer sent (checksum): a partial or stale "
                                  f"weights folder at {str(manifest.get('path'))[:200]}")
             self.checksum = self._held_checksum(list(dtypes), dtypes) or received.hexdigest()
             self.version = int(version)
@@ -224,7 +225,7 @@ class RolloutServer:
             for name, tensor in pairs:
                 target = params.get(self._param_name(name))
                 if target is None or target.shape != tensor.shape:
-                    raise ValueError(f"pushed weight {name!r} {tuple(tensor.shape)} does not fit this server's model "
+                    raise ConfigError(f"pushed weight {name!r} {tuple(tensor.shape)} does not fit this server's model "
                                      f"{self.spec.model_name_or_path} ({'missing' if target is None else tuple(target.shape)})")
                 target.copy_(tensor)
 

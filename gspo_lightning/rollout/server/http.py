@@ -58,6 +58,7 @@ from gspo_lightning.rollout.server.host import RolloutServer, VersionError
 from gspo_lightning.rollout.server.lease import SessionError
 from gspo_lightning.rollout.server.limits import BadRequest, ServerLimits, generation_request, session_token, \
     weights_request
+from gspo_lightning.errors import ConfigError
 
 Route = Callable[[RolloutServer, dict], dict]
 
@@ -189,7 +190,7 @@ def http_server(app: RolloutServer, host: str = "127.0.0.1", port: int = 0,
     too, other users of the machine reach it."""
     if not secret:
         where = "other machines" if not is_loopback(host) else "every user of this machine"
-        raise ValueError(f"a rollout server on {host} is reachable by {where}: it needs a secret (GSPO_SERVER_TOKEN or "
+        raise ConfigError(f"a rollout server on {host} is reachable by {where}: it needs a secret (GSPO_SERVER_TOKEN or "
                          "--token_file on the server and the trainer; `gspo serve` makes one when given none), and across "
                          "machines a TLS proxy or an SSH tunnel (docs/scaling.md#security)")
     return RolloutHTTPServer((host, port), handler_for(app), app.limits, secret)

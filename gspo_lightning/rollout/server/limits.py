@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from gspo_lightning.rollout.engine import SamplingParams
+from gspo_lightning.errors import ConfigError
 
 
 class BadRequest(ValueError):
@@ -56,13 +57,13 @@ class ServerLimits:
         for name in ("request_timeout_s", "reply_timeout_s", "max_body_mb"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"server limit {name} must be a finite number > 0, got {value!r}")
+                raise ConfigError(f"server limit {name} must be a finite number > 0, got {value!r}")
         for name in ("max_connections", "max_prompts", "max_prompt_tokens", "max_n", "max_responses", "max_new_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_new_tokens":
                 continue
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"server limit {name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"server limit {name} must be an integer >= 1, got {value!r}")
 
     @property
     def max_body_bytes(self) -> int:
