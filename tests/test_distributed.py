@@ -73,6 +73,24 @@ def test_ranks_whose_episodes_take_different_numbers_of_turns(tmp_path, strategy
     assert calls == {"ddp": [3, 1], "fsdp2": [3, 3]}[strategy]
 
 
+def test_a_reward_failure_on_one_rank_stops_every_rank_with_one_checkpoint(tmp_path):
+    """max_staleness: 0: rank 1's reward function raises at step 2. Both ranks stop on that step
+    (rank 0 with the same error class, naming rank 1) instead of rank 0 waiting in the update's
+    collectives for ever, and last.ckpt holds step 1."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+           "--out_dir", str(tmp_path), "--cases", "reward-fails-on-rank-1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, start_new_session=True)
+    stopped = {rank: (tmp_path / f"stopped-{rank}.txt").read_text() for rank in (0, 1)
+               if (tmp_path / f"stopped-{rank}.txt").exists()}
+    assert set(stopped) == {0, 1}, result.stdout[-3000:] + result.stderr[-3000:]
+    assert stopped[1].startswith("RewardError: reward function 'reward_that_fails_on_rank_one_at_step_two': raised "
+                                 "ConnectionError: the grader is down")
+    assert stopped[0].startswith("RewardError: the rollout of prompt batch 1 failed on rank 1: ")
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 1
+    assert "a reward function failed at step 2; the run up to step 1 is saved in" in result.stdout
+
+
 def test_fsdp1_is_refused_with_the_fsdp2_command():
     """FSDP1 runs training_step inside its root forward, where a GSPO step's backward fails
     (seen on an H100). The refusal names the strategy that works, as a command that parses."""

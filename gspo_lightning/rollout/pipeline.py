@@ -127,23 +127,9 @@ class RolloutPipeline:
         return time.perf_counter() - start
 
     def _agree(self, index: int, future: Future, lag: int = 0) -> int:
-        """The ranks' common view of step ``index``'s rollout (a collective): raise on every rank
-        when it failed on one (a rank that went on alone would wait in the update's collectives;
-        the others raise an error of the same class, naming the rank, so every rank writes the
-        same checkpoint); else the largest ``lag`` over ranks, so all decide the window alike."""
-        error = future.exception()
-        outcomes = self.gather((None if error is None else (type(error), str(error)), lag))
-        if error is not None:
-            raise error
-        failed = [(rank, outcome) for rank, (outcome, _) in enumerate(outcomes) if outcome is not None]
-        if failed:
-            rank, (kind, message) = failed[0]
-            try:
-                raised = kind(f"the rollout of prompt batch {index} failed on rank {rank}: {message}")
-            except Exception:  # noqa: BLE001 - an exception class with another signature
-                raised = RuntimeError(f"the rollout of prompt batch {index} failed on rank {rank}: {kind.__name__}: {message}")
-            raise raised
-        return max(lag for _, lag in outcomes)
+        """The ranks' common view of step ``index``'s rollout (:func:`agree`); the largest
+        ``lag`` over ranks, so all decide the window alike."""
+        return max(agree(self.gather, index, future.exception(), lag))
 
     def next(self, step: int, batch: dict, capture_weights: WeightsCapture,
              version: Optional[int] = None) -> tuple[Rollout, dict[str, float]]:
@@ -231,6 +217,25 @@ class RolloutPipeline:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
+
+
+def agree(gather: Callable[[Any], list], index: int, error: Optional[BaseException], value: Any = None) -> list:
+    """Every rank's ``value`` for prompt batch ``index``'s rollout (a collective), or raise on every
+    rank when it failed on one: a rank that went on alone would wait in the update's collectives.
+    The failed rank raises its own error, the others one of the same class naming the rank, so
+    every rank stops on the same step and writes the same checkpoint."""
+    outcomes = gather((None if error is None else (type(error), str(error)), value))
+    if error is not None:
+        raise error
+    failed = [(rank, outcome) for rank, (outcome, _) in enumerate(outcomes) if outcome is not None]
+    if failed:
+        rank, (kind, message) = failed[0]
+        try:
+            raised = kind(f"the rollout of prompt batch {index} failed on rank {rank}: {message}")
+        except Exception:  # noqa: BLE001 - an exception class with another signature
+            raised = RuntimeError(f"the rollout of prompt batch {index} failed on rank {rank}: {kind.__name__}: {message}")
+        raise raised
+    return [value for _, value in outcomes]
 
 
 def rollout_to_dict(rollout: Rollout) -> dict[str, Any]:

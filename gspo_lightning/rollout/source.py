@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from gspo_lightning.rollout.dynamic_sampling import DynamicSampler
 from gspo_lightning.rollout.engine import RolloutEngine, WeightsSource
-from gspo_lightning.rollout.pipeline import RolloutPipeline, StaleRollouts
+from gspo_lightning.rollout.pipeline import RolloutPipeline, StaleRollouts, agree
 from gspo_lightning.rollout.worker import Rollout, RolloutWorker
 from gspo_lightning.errors import ConfigError
 
@@ -79,22 +79,32 @@ class SynchronousRollouts(RolloutSource):
     Args (beside :class:`RolloutSource`'s):
         sampler: DAPO's dynamic sampling (``None``: off), with ``more_prompts()`` the data
             module's extra prompt stream and ``pad_token_id`` to re-pad the groups it keeps.
+        gather: ``gather(value)``: every rank's ``value`` (a collective): a rollout that failed on
+            one rank (a reward function, an environment, an agent majority) stops every rank.
     """
 
     def __init__(self, worker: RolloutWorker, policy_weights: WeightsSource, device: torch.device, seed: Callable[[int], int], *,
                  sampler: Optional[DynamicSampler] = None, more_prompts: Optional[Callable[[], dict]] = None,
-                 pad_token_id: int = 0):
+                 pad_token_id: int = 0, gather: Optional[Callable[[Any], list]] = None):
         super().__init__(worker, policy_weights, device, seed)
         self.sampler, self.more_prompts, self.pad_token_id = sampler, more_prompts, pad_token_id
+        self.gather = gather
 
     def next(self, step: int, batch: dict, policy_version: int) -> tuple[Rollout, Stats]:
         seed = self.seed(step)
-        if self.sampler is None:
-            rollout, stats = self.rollout(batch, seed, policy_version), {}
-        else:
-            rollout, stats = self.sampler.fill(
-                batch, lambda prompts, round_seed: self.rollout(prompts, round_seed, policy_version), self.more_prompts,
-                seed=seed, pad_token_id=self.pad_token_id)
+        try:
+            if self.sampler is None:
+                rollout, stats = self.rollout(batch, seed, policy_version), {}
+            else:
+                rollout, stats = self.sampler.fill(
+                    batch, lambda prompts, round_seed: self.rollout(prompts, round_seed, policy_version), self.more_prompts,
+                    seed=seed, pad_token_id=self.pad_token_id)
+        except Exception as err:
+            if self.gather is None:
+                raise
+            agree(self.gather, step, err)  # raises on every rank
+        if self.gather is not None:
+            agree(self.gather, step, None)
         if rollout.policy_version != policy_version:
             raise RuntimeError(f"stale rollout: sampled with policy version {rollout.policy_version}, the policy is at {policy_version}")
         return rollout, stats
@@ -167,21 +177,23 @@ def rollout_source(worker: RolloutWorker, policy_weights: WeightsSource, device:
                    max_staleness: int = 0, stale_rollouts: StaleRollouts = "regenerate", datamodule: Any = None,
                    dynamic_sampling_rounds: Optional[int] = None, sharded: bool = False, pad_token_id: int = 0,
                    behaviour_logprobs: Optional[Callable[[nn.Module, Rollout], Tensor]] = None,
-                   gather: Callable[[Any], list] = lambda value: [value]) -> RolloutSource:
+                   gather: Callable[[Any], list] = lambda value: [value], world_size: int = 1) -> RolloutSource:
     """The source ``max_staleness`` asks for; one-line errors for what cannot work with it.
 
     ``datamodule`` provides ``train_batch(index)`` (prompts of future steps, ``k >= 1``) and
     ``extra_batch()`` (dynamic sampling's extra rounds, ``dynamic_sampling_rounds`` set)."""
+    # the ranks' agreement on each rollout costs a collective a step: only where there are ranks
+    agreement = gather if world_size > 1 else None
     if max_staleness == 0:
         if dynamic_sampling_rounds is None:
-            return SynchronousRollouts(worker, policy_weights, device, seed)
+            return SynchronousRollouts(worker, policy_weights, device, seed, gather=agreement)
         more_prompts = getattr(datamodule, "extra_batch", None)
         if more_prompts is None or sharded:
             raise ConfigError("model.dynamic_sampling needs the PromptDataModule (its extra prompt stream) and an "
                              "unsharded policy (ranks generate different numbers of rounds): turn it off or use data: "
                              "PromptDataModule without FSDP")
         return SynchronousRollouts(worker, policy_weights, device, seed, sampler=DynamicSampler(dynamic_sampling_rounds),
-                                   more_prompts=more_prompts, pad_token_id=pad_token_id)
+                                   more_prompts=more_prompts, pad_token_id=pad_token_id, gather=agreement)
     engine = worker.engine
     if engine.shares_policy_weights:
         raise ConfigError(f"max_staleness={max_staleness} generates while the policy trains, but {type(engine).__name__} "

@@ -262,6 +262,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             dynamic_sampling_rounds=cfg.rollout.max_sampling_rounds if fit and cfg.rollout.dynamic_sampling else None,
             sharded=self.sharded, pad_token_id=self.tokenizer.pad_token_id,
             behaviour_logprobs=self._behaviour_logprobs if self.clip_budget is not None else None, gather=gather_objects,
+            world_size=self.trainer.world_size,
         )
         if self._pending_rollouts is not None:  # what the checkpoint's run generated ahead
             source.load_state_dict(self._pending_rollouts, self.device)

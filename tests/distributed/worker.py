@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -104,16 +105,57 @@ UNEVEN = dict(CASES["episodes"], episodes=lambda: MultiTurn(EndsAtOnceOnRankOne(
               engine=GatheringEngine)
 
 
+def reward_that_fails_on_rank_one_at_step_two(prompts, completions, **columns):
+    """The echo task's reward, raising on rank 1 at its second call (the second step)."""
+    from gspo_lightning.data.tasks.echo import echo_reward
+
+    _REWARD_CALLS["n"] += 1
+    if torch.distributed.get_rank() == 1 and _REWARD_CALLS["n"] == 2:
+        raise ConnectionError("the grader is down")
+    return echo_reward(prompts, completions, **columns)
+
+
+_REWARD_CALLS = {"n": 0}
+
+
+def run_failing_reward(out_dir: str) -> None:
+    """``max_staleness: 0``, 2 ranks, checkpoints on: rank 1's reward function raises at step 2."""
+    L.seed_everything(0, verbose=False)
+    module = GSPOModule(
+        model_name_or_path="builtin:tiny-echo", engine=DeterministicEngine(), num_return_sequences_in_group=4,
+        response_length=5, num_mini_batches=1, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        rewards=[RewardSpec(function="worker.reward_that_fails_on_rank_one_at_step_two")])
+    data = PromptDataModule(path="builtin:echo", tokenizer="builtin:tiny-echo", rollout_batch_size=8, prompt_length=8,
+                            val_size=0, shuffle=False)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=4, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        limit_val_batches=0, default_root_dir=out_dir,
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), save_last=True, save_top_k=0, every_n_train_steps=50)])
+    from gspo_lightning.run import attach_run_callbacks
+
+    attach_run_callbacks(trainer)
+    try:
+        trainer.fit(module, datamodule=data)
+    except Exception as err:  # noqa: BLE001 - what each rank stopped with, for the test
+        Path(out_dir, f"stopped-{trainer.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="ddp")
-    parser.add_argument("--cases", nargs="+", default=list(CASES), help="also: episodes-uneven")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help="also: episodes-uneven, reward-fails-on-rank-1")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     for case in args.cases:
-        run_case(args.strategy, case, args.out_dir)
+        if case == "reward-fails-on-rank-1":
+            run_failing_reward(args.out_dir)
+        else:
+            run_case(args.strategy, case, args.out_dir)
     # tear the process group down before exit: a gloo thread alive at interpreter
     # shutdown aborts the process ("terminate called without an active exception")
     if torch.distributed.is_initialized():
