@@ -118,15 +118,18 @@ def test_ctrl_c_at_an_evaluation_step_then_resume_keeps_every_row_and_evaluation
     out = gspo(*quickstart(run, "--model.export_on_fit_end=false",
                            '--model.rewards=[{"function": "tests.test_console.successor_reward_then_ctrl_c"}]'))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "checkpoint written to" in out.stdout and "at step 10;" in out.stdout, out.stdout
-    assert "held-out at step 10: accuracy" in out.stdout  # the evaluation due at the stop ran before it
-    assert "step 11/" not in out.stdout
+    # pressed while step 10 was scoring its rollout: the step is abandoned, step 9 is saved, and
+    # the evaluation due at step 10 waits for the resumed run's step 10
+    assert "Ctrl-C: step 10 abandoned; checkpoint written to" in out.stdout and "at step 9;" in out.stdout, out.stdout
+    assert "held-out at step 10" not in out.stdout and "step 10/" not in out.stdout
     ckpt = run / "csv" / "version_0" / "checkpoints" / "last.ckpt"
 
+    monkeypatch.setenv("CTRL_C_AT_STEP", "0")  # the resumed run keeps the reward function, and runs to its end
     out = gspo(*quickstart(run, "--model.export_on_fit_end=false", f"--ckpt_path={ckpt}"))
     assert out.returncode == 0, out.stderr[-3000:]
     first = next(line for line in out.stdout.splitlines() if line.startswith("step "))
-    assert first.startswith("step 11/20  reward"), out.stdout  # the bar's total and count go on
+    assert first.startswith("step 10/20  reward"), out.stdout  # the bar's total and count go on
+    assert "held-out at step 10: accuracy" in out.stdout
     assert "held-out at step 20: accuracy" in out.stdout and "untrained 0 (step 0)" in out.stdout
     for noise in NOISE:
         assert noise not in out.stdout + out.stderr, noise

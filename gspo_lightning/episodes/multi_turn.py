@@ -43,6 +43,10 @@ class MultiTurn:
         batch_window_s: how long a call waits for others to join its generation (an agent busy in
             a slow tool does not hold the others back); ``null``: until every running agent's
             call is in, so agents that act alike sample alike in every run (exact resume).
+        agent_processes: worker processes the agents run in, many episodes at once in each
+            (0: in the trainer's process, on a thread beside the endpoint). The agents' Python
+            then runs beside the endpoint and the engine instead of taking turns with them for
+            the interpreter lock (docs/agents.md, throughput).
         max_turns: assistant turns per episode at most.
         max_turn_tokens: tokens one assistant turn may sample (``null``: what is left of the
             episode's budget, ``response_length``).
@@ -69,7 +73,7 @@ class MultiTurn:
                  template_kwargs: Optional[dict] = None, agent: Optional[str] = None,
                  tool_call_parser: Optional[ToolCallParser] = None, max_concurrent: Optional[int] = None,
                  agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0,
-                 batch_window_s: Optional[float] = 0.05):
+                 batch_window_s: Optional[float] = 0.05, agent_processes: int = 0):
         if (environment is None) == (agent is None):
             raise ConfigError("model.episodes needs exactly one of environment (the runner owns the loop) and agent (your "
                              "program owns it and calls the endpoint); got "
@@ -90,6 +94,10 @@ class MultiTurn:
         self.endpoint_host = endpoint_host
         self.endpoint_port = endpoint_port
         self.batch_window_s = batch_window_s
+        if agent_processes < 0 or (agent_processes and agent is None):
+            raise ConfigError(f"episodes.agent_processes={agent_processes}: the number of processes the agent runs in "
+                              "(0: the trainer's own), with model.episodes.agent set")
+        self.agent_processes = agent_processes
         if max_turns < 1:
             raise ConfigError(f"episodes.max_turns must be >= 1, got {max_turns}")
         if max_turn_tokens is not None and max_turn_tokens < 1:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 
 
-class GenerationStopped(Exception):
-    """The rollout gave up its step because the run is stopping."""
+class GenerationStopped(BaseException):
+    """The rollout gave up its step because the run is stopping (a ``BaseException``: no
+    ``except Exception`` on the way takes it for a failure of the step)."""
 
 
 _requested = threading.Event()

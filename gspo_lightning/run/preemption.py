@@ -53,9 +53,11 @@ ROLLOUT_FAILURES = ((RewardError, "a reward function failed", "fix the function,
                     (RolloutServerError, "no rollouts", "once a rollout server is up,"))
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """Raised in the trainer's thread by a first SIGTERM / Ctrl-C during a step's rollout: the
-    step is abandoned and the state of the last finished step is written (``on_exception``)."""
+    step is abandoned and the state of the last finished step is written (``on_exception``).
+    A ``BaseException``, as ``KeyboardInterrupt``: the code it interrupts (a reward function's
+    or an environment's error handling) must not take it for their own failure."""
 
     def __init__(self, reason: str):
         super().__init__(f"{reason}: the step's generation was abandoned")

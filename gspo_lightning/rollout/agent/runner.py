@@ -4,7 +4,8 @@ samples the calls in batches with the run's engine; the record becomes the step'
 Three threads meet here: the rollout thread (this module's :meth:`AgentRunner.run`, the only
 one that touches the engine), the endpoint's event loop (HTTP, rendering, recording), and the
 agents' event loop (``async def`` agents run on it; plain functions in a thread pool beside
-it, so an agent that blocks holds only its own thread).
+it, so an agent that blocks holds only its own thread). With ``episodes.agent_processes`` the
+agents run in worker processes instead (``processes.py``) and this loop only waits for them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gspo_lightning.errors import AgentError, ConfigError
 from gspo_lightning.rewards.base import is_async_callable
 from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.agent.endpoint import AgentEndpoint, TurnLimits
+from gspo_lightning.rollout.agent.processes import AgentFailed, AgentProcesses, check_result
 from gspo_lightning.rollout.agent.record import AgentSession
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.episodes import EpisodeBatch, as_messages
@@ -64,8 +66,12 @@ class AgentRunner:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._printed: set[str] = set()
+        self.processes = AgentProcesses(multi_turn.agent, multi_turn.agent_processes) \
+            if multi_turn.agent_processes else None
 
     def start(self) -> None:
+        if self.processes is not None:
+            self.processes.start()  # again each rollout: a worker that died is replaced
         if self._thread is not None:
             return
         self.endpoint.start()
@@ -74,6 +80,8 @@ class AgentRunner:
         self._thread.start()
 
     def close(self) -> None:
+        if self.processes is not None:
+            self.processes.close()
         if self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -118,8 +126,9 @@ class AgentRunner:
         agent = multi_turn.agent_function
         limit = multi_turn.max_concurrent or len(sessions)
         gate = asyncio.Semaphore(limit)
-        pool = None if is_async_callable(agent) else ThreadPoolExecutor(max_workers=min(limit, len(sessions)),
-                                                                        thread_name_prefix="gspo-agent")
+        in_process = self.processes is None
+        pool = None if not in_process or is_async_callable(agent) else ThreadPoolExecutor(
+            max_workers=min(limit, len(sessions)), thread_name_prefix="gspo-agent")
         loop = asyncio.get_running_loop()
 
         async def one(session: AgentSession, outcome: Outcome) -> None:
@@ -127,17 +136,19 @@ class AgentRunner:
                 try:
                     kwargs = dict(row=dict(session.row), base_url=self.endpoint.base_url, api_key=session.key,
                                   model=self.model_name)
-                    work = agent(**kwargs) if pool is None else loop.run_in_executor(pool, functools.partial(agent, **kwargs))
-                    result = await asyncio.wait_for(work, multi_turn.agent_timeout_s)
-                    if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))):
-                        raise TypeError(f"the agent returned {type(result).__name__} {result!r:.60}; return the episode's "
-                                        "reward as a float, or None to have the reward functions score it")
-                    outcome.reward = None if result is None else float(result)
+                    if not in_process:  # the worker times the episode; a worker stuck in C code is still bounded here
+                        outcome.reward = await asyncio.wait_for(self.processes.run(kwargs, multi_turn.agent_timeout_s),
+                                                                multi_turn.agent_timeout_s + 10)
+                    else:
+                        work = agent(**kwargs) if pool is None else loop.run_in_executor(pool, functools.partial(agent, **kwargs))
+                        outcome.reward = check_result(await asyncio.wait_for(work, multi_turn.agent_timeout_s))
                     if session.calls == 0:
                         outcome.failure, outcome.message = "no_calls", "the agent returned without calling the endpoint"
                 except asyncio.TimeoutError:
                     outcome.failure = "timeout"
                     outcome.message = f"the agent ran past model.episodes.agent_timeout_s={multi_turn.agent_timeout_s:g}"
+                except AgentFailed as err:  # raised in a worker process: its last traceback line
+                    outcome.failure, outcome.message = "error", str(err)
                 except Exception as err:  # noqa: BLE001 - user code: an unscored episode, counted and shown
                     outcome.failure = "error"
                     outcome.message = traceback.format_exception_only(type(err), err)[-1].strip()
