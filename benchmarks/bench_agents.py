@@ -5,6 +5,7 @@ lookup model, the Hugging Face engine, ``OMP_NUM_THREADS=--threads`` in both:
 
 - ``builtin``: configs/episodes_lookup.yaml (the runner owns the loop);
 - ``agent``: configs/agent_lookup.yaml (a plain ``openai`` agent calls the endpoint);
+- ``agent-processes``: the same with the agents in 2 worker processes (``episodes.agent_processes``);
 - ``builtin-slow`` / ``agent-slow``: the same with a 1 s tool action per episode
   (benchmarks/agent_tools.py) and a smaller batch (``--slow-prompts`` x 8 episodes): the
   built-in runner's environment steps one episode after another, the agents overlap.
@@ -14,8 +15,9 @@ each agent arm's ratio to its built-in twin; ``--json`` keeps the numbers.
 
 ``--client``: what the ``openai`` client itself costs per call, apart from any model: 512
 concurrent episodes of 3 calls against a stub server that answers after 20 ms, with httpx's
-default connection pool, with the pool bounded to 32 connections (the example agents'
-``agent_client.py``), and with a new client per episode.
+default connection pool, httpx's pool bounded to 32 connections, the openai package's aiohttp
+transport with a pool of 1024 (the example agents' ``agent_client.py``), and a new client per
+episode.
 
     python benchmarks/bench_agents.py --steps 6
     python benchmarks/bench_agents.py --client
@@ -39,10 +41,11 @@ SLOW_ENVIRONMENT = "--model.episodes.environment.class_path=agent_tools.SlowLook
 ARMS = {
     "builtin": ("configs/episodes_lookup.yaml", []),
     "agent": ("configs/agent_lookup.yaml", []),
+    "agent-processes": ("configs/agent_lookup.yaml", ["--model.episodes.agent_processes=2"]),
     "builtin-slow": ("configs/episodes_lookup.yaml", [SLOW_ENVIRONMENT]),
     "agent-slow": ("configs/agent_lookup.yaml", ["--model.episodes.agent=agent_tools.slow_lookup_agent"]),
 }
-TWIN = {"agent": "builtin", "agent-slow": "builtin-slow"}
+TWIN = {"agent": "builtin", "agent-processes": "builtin", "agent-slow": "builtin-slow"}
 
 
 def load() -> str:
@@ -118,12 +121,16 @@ def client_cost(episodes: int = 512, calls: int = 3, delay_s: float = 0.02) -> d
 
     async def run(kind: str) -> float:
         shared = None
-        if kind == "default pool":
+        if kind == "httpx, default pool":
             shared = openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0)
-        elif kind == "pool of 32":
+        elif kind == "httpx, pool of 32":
             limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
             shared = openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0,
                                         http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+        elif kind == "aiohttp, pool of 1024":
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+            shared = openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0,
+                                        http_client=openai.DefaultAioHttpClient(limits=limits))
 
         async def episode(i: int) -> None:
             client = shared.with_options(api_key=f"k{i}") if shared else openai.AsyncOpenAI(
@@ -141,7 +148,7 @@ def client_cost(episodes: int = 512, calls: int = 3, delay_s: float = 0.02) -> d
         return round(seconds / (episodes * calls) * 1000, 2)
 
     results = {}
-    for kind in ("default pool", "pool of 32", "new client per episode") * 2:  # alternating, twice
+    for kind in ("httpx, default pool", "httpx, pool of 32", "aiohttp, pool of 1024", "new client per episode") * 2:  # alternating, twice
         results.setdefault(kind, []).append(asyncio.run(run(kind)))
     return results
 

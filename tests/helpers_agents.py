@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import threading
 import time
@@ -134,10 +135,13 @@ async def slow_async_agent(row, base_url, api_key, model):
 
 def faulty_agent(row, base_url, api_key, model):
     """Fails as its row says: ``raise``, ``hang`` (past any test timeout), ``silent`` (never calls),
-    ``wrong_type`` (returns text); else a normal lookup episode."""
+    ``wrong_type`` (returns text), ``exit`` (ends its process); else a normal lookup episode."""
     behaviour = row.get("behaviour", "")
     if behaviour == "raise":
         raise KeyError("the agent's bug")
+    if behaviour == "exit":  # the whole process goes (an agent's native library crashing), after the others ended
+        time.sleep(1.0)
+        os._exit(3)
     if behaviour == "hang":
         time.sleep(30)
     if behaviour == "silent":

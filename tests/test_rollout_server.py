@@ -320,7 +320,7 @@ def test_a_started_server_ends_with_a_trainer_killed_without_cleanup(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(
         "import os, signal\n"
-        "from gspo_lightning.rollout.remote import ChildServer\n"
+        "from gspo_lightning.rollout.child_server import ChildServer\n"
         "from gspo_lightning.rollout.server import ServerSpec\n"
         f"child = ChildServer(ServerSpec({MODEL!r}, prompt_length=8, response_length=6))\n"
         "url = child.start(120)\n"

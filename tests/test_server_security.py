@@ -592,7 +592,7 @@ def test_a_restarted_server_is_not_sent_a_broadcast_again(served, monkeypatch):
 def test_a_started_server_gets_the_secret_in_its_environment_not_on_its_command_line(monkeypatch, tmp_path):
     import subprocess
 
-    from gspo_lightning.rollout.remote import ChildServer
+    from gspo_lightning.rollout.child_server import ChildServer
 
     seen = {}
 
@@ -618,7 +618,7 @@ def test_a_started_server_that_crashed_leaves_its_log_behind(monkeypatch, tmp_pa
     folder the run cleans up, into one only its user reads), one that stopped cleanly does not."""
     import subprocess
 
-    from gspo_lightning.rollout.remote import ChildServer
+    from gspo_lightning.rollout.child_server import ChildServer
 
     class Started:
         pid, code = 1, None

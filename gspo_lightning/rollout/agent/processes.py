@@ -34,6 +34,17 @@ def check_result(result: Any) -> Optional[float]:
     return None if result is None else float(result)
 
 
+def quiet_about_open_clients(loop: asyncio.AbstractEventLoop) -> None:
+    """An agents' event loop ends with the run (or its worker): clients the agents kept open for
+    it (aiohttp's sessions, warning "Unclosed client session" when collected) end with it and
+    need no warning; any other error on the loop is reported as before."""
+    def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if not str(context.get("message", "")).startswith(("Unclosed client session", "Unclosed connector")):
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+
+
 def _serve(conn, agent_path: str, threads: int) -> None:
     """A worker process: run the episodes it is sent, concurrently, until told to stop."""
     from gspo_lightning._imports import import_callable
@@ -42,6 +53,7 @@ def _serve(conn, agent_path: str, threads: int) -> None:
     agent = import_callable(agent_path, "agent")
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    quiet_about_open_clients(loop)
     pool = None if is_async_callable(agent) else ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gspo-agent")
     tasks: dict[int, asyncio.Task] = {}
     sending = threading.Lock()
@@ -208,4 +220,4 @@ def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: tup
         pass
 
 
-__all__ = ["AgentFailed", "AgentProcesses", "check_result"]
+__all__ = ["AgentFailed", "AgentProcesses", "check_result", "quiet_about_open_clients"]

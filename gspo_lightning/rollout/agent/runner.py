@@ -26,7 +26,7 @@ from gspo_lightning.errors import AgentError, ConfigError
 from gspo_lightning.rewards.base import is_async_callable
 from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.agent.endpoint import AgentEndpoint, TurnLimits
-from gspo_lightning.rollout.agent.processes import AgentFailed, AgentProcesses, check_result
+from gspo_lightning.rollout.agent.processes import AgentFailed, AgentProcesses, check_result, quiet_about_open_clients
 from gspo_lightning.rollout.agent.record import AgentSession
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.episodes import EpisodeBatch, as_messages
@@ -76,6 +76,7 @@ class AgentRunner:
             return
         self.endpoint.start()
         self._loop = asyncio.new_event_loop()
+        quiet_about_open_clients(self._loop)
         self._thread = threading.Thread(target=self._loop.run_forever, name="gspo-agents", daemon=True)
         self._thread.start()
 
