@@ -4,8 +4,9 @@ Arms (``--arms``), each a run of ``--steps`` rollout steps of the lookup task on
 lookup model, the Hugging Face engine, ``OMP_NUM_THREADS=--threads`` in both:
 
 - ``builtin``: configs/episodes_lookup.yaml (the runner owns the loop);
-- ``agent``: configs/agent_lookup.yaml (a plain ``openai`` agent calls the endpoint);
-- ``agent-processes``: the same with the agents in 2 worker processes (``episodes.agent_processes``);
+- ``agent``: configs/agent_lookup.yaml (a plain ``openai`` agent calls the endpoint) with the
+  agents in the trainer's process (``episodes.agent_processes=0``);
+- ``agent-processes``: the recipe as shipped, its agents in 2 worker processes;
 - ``builtin-slow`` / ``agent-slow``: the same with a 1 s tool action per episode
   (benchmarks/agent_tools.py) and a smaller batch (``--slow-prompts`` x 8 episodes): the
   built-in runner's environment steps one episode after another, the agents overlap.
@@ -40,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SLOW_ENVIRONMENT = "--model.episodes.environment.class_path=agent_tools.SlowLookupEnvironment"
 ARMS = {
     "builtin": ("configs/episodes_lookup.yaml", []),
-    "agent": ("configs/agent_lookup.yaml", []),
-    "agent-processes": ("configs/agent_lookup.yaml", ["--model.episodes.agent_processes=2"]),
+    "agent": ("configs/agent_lookup.yaml", ["--model.episodes.agent_processes=0"]),
+    "agent-processes": ("configs/agent_lookup.yaml", []),
     "builtin-slow": ("configs/episodes_lookup.yaml", [SLOW_ENVIRONMENT]),
     "agent-slow": ("configs/agent_lookup.yaml", ["--model.episodes.agent=agent_tools.slow_lookup_agent"]),
 }
@@ -155,7 +156,7 @@ def client_cost(episodes: int = 512, calls: int = 3, delay_s: float = 0.02) -> d
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arms", default="builtin,agent,builtin-slow,agent-slow")
+    parser.add_argument("--arms", default="builtin,agent,agent-processes,builtin-slow,agent-slow")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slow-prompts", type=int, default=4, help="prompts per step of the slow arms (8 episodes each)")

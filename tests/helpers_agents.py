@@ -139,15 +139,21 @@ def faulty_agent(row, base_url, api_key, model):
     behaviour = row.get("behaviour", "")
     if behaviour == "raise":
         raise KeyError("the agent's bug")
-    if behaviour == "exit":  # the whole process goes (an agent's native library crashing), after the others ended
-        time.sleep(1.0)
+    if behaviour == "exit":  # the whole process goes (an agent's native library crashing), once the others ended
+        deadline = time.monotonic() + 30
+        while _finished["count"] < row.get("others", 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
         os._exit(3)
     if behaviour == "hang":
         time.sleep(30)
     if behaviour == "silent":
         return None
     result = lookup_agent(row, base_url, api_key, model)
+    _finished["count"] += 1
     return "done" if behaviour == "wrong_type" else result
+
+
+_finished = {"count": 0}  # normal episodes ended in this process
 
 
 def editing_agent(row, base_url, api_key, model):
@@ -189,6 +195,9 @@ def agent_config(folder, steps: int = 2, **model) -> str:
     config["model"]["rollout"]["num_return_sequences_in_group"] = 4
     config["model"]["update"]["mini_batch_size"] = 8
     config["model"]["export_on_fit_end"] = False
+    # the agents in this process, batches by the default window: the helpers' agents count episodes
+    # in module state, and the tests that want reproducible batches ask for them
+    config["model"]["episodes"].update({"agent_processes": 0, "batch_window_s": 0.05})
     for key, value in model.items():  # "block.field" or a model key
         block, _, field = key.partition(".")
         if field:

@@ -244,7 +244,7 @@ def test_a_worker_process_that_dies_fails_its_running_episodes_and_is_started_ag
     agents = runner("tests.helpers_agents.faulty_agent", agent_processes=1, agent_timeout_s=20)
     try:
         batch_rows = rows(4)
-        batch_rows[0]["behaviour"] = "exit"
+        batch_rows[0].update(behaviour="exit", others=3)  # its worker goes once the other three episodes ended
         first = agents.run(PromptEngine(calls=1), [r["prompt"] for r in batch_rows], batch_rows, 1,
                            SamplingParams(max_new_tokens=12), seed=5)
         assert first.failed == [True, False, False, False]
@@ -362,7 +362,14 @@ def test_an_agent_that_breaks_mid_run_stops_it_with_a_checkpoint_and_one_line(tm
     printed = capsys.readouterr()
     assert "16 of 16 agent episodes failed" in printed.err and "ConnectionError: the agent's sandbox went away" in printed.err
     assert "Traceback" not in printed.err
-    assert "resume with --ckpt_path" in printed.out and next(tmp_path.rglob("last.ckpt")).exists()
+    checkpoint = next(tmp_path.rglob("last.ckpt"))
+    assert f"resume with --ckpt_path {checkpoint}" in printed.out
+    import torch
+
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 1
+    # the agent fixed: the run resumes from step 1 and ends at its last step
+    main(["fit", "--config", agent_config(tmp_path, steps=3), "--ckpt_path", str(checkpoint)])
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 3
 
 
 @pytest.mark.slow

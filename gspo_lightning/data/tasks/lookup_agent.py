@@ -20,7 +20,9 @@ TOOLS = [{"type": "function", "function": {
 
 async def lookup_agent(row: dict, base_url: str, api_key: str, model: str, max_turns: int = 3) -> Optional[float]:
     """Ask for the row's key; answer each ``get`` call from the row's table; stop at a turn with
-    no call. Returns None: the run's reward functions score the recorded conversation."""
+    no call, or at one cut short (``finish_reason: length``: the model did not end it, so its
+    call is not taken, as the built-in environment's runner ends such an episode). Returns None:
+    the run's reward functions score the recorded conversation."""
     client = episode_client(base_url, api_key)
     table = dict(zip("abcdef", str(row["table"]).split()))
     messages = [{"role": "user", "content": row["prompt"]}]
@@ -28,7 +30,7 @@ async def lookup_agent(row: dict, base_url: str, api_key: str, model: str, max_t
         reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
+        if not message.tool_calls or reply.choices[0].finish_reason == "length":
             break
         for call in message.tool_calls:
             key = json.loads(call.function.arguments).get("key")

@@ -303,7 +303,9 @@ class AgentEndpoint:
         closed = not cut and not stopped
         parser = self.parser if chat.parses_tool_calls else None
         message = assistant_reply(text, parser)
-        finish = "tool_calls" if message.get("tool_calls") else ("length" if cut else "stop")
+        # a turn the token cap cut is "length" even when a call was read out of it (OpenAI's rule):
+        # the model did not end it, and the agent decides whether to act on its calls
+        finish = "length" if cut else ("tool_calls" if message.get("tool_calls") else "stop")
         tokens = [self.tokenizer.decode([i]) for i in ids] if chat.logprobs else []
         session.record(call, ids, logprobs, version, closed, text, message)
         return Reply(message, finish, call.prompt_ids, ids, logprobs, tokens)
