@@ -7,9 +7,10 @@ against a server that answers after 20 ms (``python benchmarks/bench_agents.py -
   agents make one per event loop (a client's connections belong to the loop that opened them)
   and give each episode ``with_options(api_key=...)``, which shares it;
 - httpx's connection pool walks every connection it holds on each request: 512 open
-  connections cost 4.5-8.3 ms per call against 2.4-3.1 ms with the pool bounded to 32;
+  connections cost 4.5-4.9 ms per call against 2.4-2.6 ms with the pool bounded to 32;
 - the openai package's aiohttp transport (``openai.DefaultAioHttpClient``; aiohttp is a
-  dependency of gspo-lightning) keeps a pool of any size at 1.7-2.1 ms per call. The agents use
+  dependency of gspo-lightning) costs the same with 32 or 512 connections, 1.7-2.1 ms per
+  call (1.5 ms on a quiet machine: docs/agents.md, "Measured"). The agents use
   it with a pool as large as any step's episodes, so every running agent can send its call at
   once (``episodes.batch_window_s: null`` then never waits for an agent that cannot call).
 """
