@@ -143,6 +143,7 @@ def faulty_agent(row, base_url, api_key, model):
         deadline = time.monotonic() + 30
         while _finished["count"] < row.get("others", 0) and time.monotonic() < deadline:
             time.sleep(0.02)
+        time.sleep(1.0)  # the others' results leave the worker after their functions return
         os._exit(3)
     if behaviour == "hang":
         time.sleep(30)
