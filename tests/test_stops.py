@@ -113,9 +113,11 @@ def test_a_stop_during_a_long_generation_abandons_the_step_and_saves_the_last_on
     assert _global_step(checkpoint) == 2
 
 
-def test_an_update_under_way_finishes_then_the_checkpoint_is_written(tmp_path):
+@pytest.mark.parametrize("slow_at", [3, 4], ids=["first-optimizer-step", "last-optimizer-step"])
+def test_an_update_under_way_finishes_then_the_checkpoint_is_written(tmp_path, slow_at):
+    # optimizer steps 3 and 4 are step 2's update; Lightning's step count moves at the first
     marker = tmp_path / "updating"
-    proc = _start(tmp_path, {"SLOW_OPTIMIZER": f"3:3:{marker}"}, "--stop_grace_s=10",
+    proc = _start(tmp_path, {"SLOW_OPTIMIZER": f"{slow_at}:3:{marker}"}, "--stop_grace_s=10",
                   optimizer={"class_path": "tests.test_stops.SlowAdamW", "init_args": {"lr": 0.003}})
     _wait_for(marker, proc)  # optimizer step 3: the update of rollout step 2 (2 optimizer steps a step)
     asked = time.monotonic()
@@ -163,3 +165,30 @@ def test_an_update_that_outlasts_the_grace_exits_with_one_line(tmp_path):
     assert (f"gspo: the stop did not finish within stop_grace_s=2 s (nothing was written in this stop; the newest "
             f"checkpoint is the last periodic one in {checkpoints}): exiting now") in err, err[-2000:]
     assert _global_step(checkpoints / "last.ckpt") == 1
+
+
+def test_a_stop_during_agent_episodes_ends_the_agents_and_the_endpoint_at_once(tmp_path):
+    """The lookup agents in 2 worker processes, their calls waiting on a slow generation: SIGTERM
+    answers the waiting calls, ends the workers and the endpoint, and writes the last step, within
+    the grace and without a traceback (the endpoint's shutdown once waited for its open requests)."""
+    from tests.helpers_agents import agent_config
+
+    marker = tmp_path / "generating"
+    config = agent_config(tmp_path / "run", steps=50, **{"episodes.agent_processes": 2,
+                                                         "engine": {"class_path": "tests.test_stops.SlowEngine"}})
+    proc = subprocess.Popen([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", config,
+                             "--checkpoint.every_n_train_steps=1"], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "SLOW_ENGINE": f"7:120:{marker}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(marker, proc)
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - asked
+    assert took < 10 and proc.returncode == 0, (took, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("SIGTERM: step "))
+    step = int(line.split()[2])
+    assert f"checkpoint written to" in line and f"at step {step - 1};" in line
+    checkpoint = next((tmp_path / "run").rglob("last.ckpt"))
+    assert _global_step(checkpoint) == step - 1 >= 1

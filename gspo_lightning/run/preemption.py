@@ -119,9 +119,12 @@ class PreemptionCheckpoint(L.Callback):
         self._watchdog.daemon = True
         self._watchdog.start()
         trainer, module = self._trainer, self._module
-        step = (trainer.global_step if trainer is not None else 0) + 1
+        # the step under way: the module's count of finished steps (Lightning's global_step moves
+        # at the update's first optimizer step, before the update ends)
+        done = getattr(module, "rollout_steps", None)
+        step = (done if done is not None else trainer.global_step if trainer is not None else 0) + 1
         phase = getattr(module, "step_phase", None)
-        within = f"within stop_grace_s={self.stop_grace_s:g} s; {'Ctrl-C' if name == 'Ctrl-C' else 'a second signal'} again stops at once"
+        within = f"within stop_grace_s={self.stop_grace_s:g} s; {'Ctrl-C again' if name == 'Ctrl-C' else 'a second SIGTERM'} stops at once"
         if phase == "update":
             print(f"\n{name}: finishing step {step}'s update, then writing the checkpoint ({within})", file=sys.stderr, flush=True)
             return

@@ -110,8 +110,9 @@ class AgentEndpoint:
         failure: list[BaseException] = []
 
         async def serve() -> None:
+            # shutdown_timeout: a stop waits this long for requests still open (aiohttp's default: 60 s)
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                         keepalive_timeout=self.request_timeout_s)
+                                         keepalive_timeout=self.request_timeout_s, shutdown_timeout=2.0)
             await self._runner.setup()
             factory = self.watch.protocol_factory(self._runner.server)
             self._server = await asyncio.get_running_loop().create_server(factory, self.host, self.port)
@@ -266,7 +267,10 @@ class AgentEndpoint:
             loop = asyncio.get_running_loop()
             queued = QueuedCall(call.prompt_ids, room, loop, loop.create_future(), episode=session.index)
             self.queue.submit(queued)
-            ids, logprobs, truncated, version = await queued.future
+            try:
+                ids, logprobs, truncated, version = await queued.future
+            except RuntimeError as err:  # the engine failed, or the rollout ended (a stop): a reply, not a traceback
+                raise RequestError(str(err), 503, "server_error") from err
             if not session.open:
                 return None
             return self._record(session, call, chat, ids[:room], logprobs[:room],

@@ -106,6 +106,9 @@ class AgentRunner:
             versions = self._sample_calls(engine, params, seed)
         except BaseException:
             agents.cancel()
+            # calls still waiting for a generation get an error reply now: none will come (a stop,
+            # a failed engine), and the endpoint's shutdown waits for its open requests
+            self.endpoint.queue.fail_pending(RuntimeError("the rollout ended before this call was sampled"))
             raise
         finally:
             self.endpoint.close_episodes()
