@@ -13,6 +13,8 @@ run
   --ckpt_path PATH                   resume from a checkpoint (<run folder>/csv/version_0/checkpoints/last.ckpt)
   --export {last,best}               the policy exported at the end: the last step's, or the best
                                      held-out evaluation's (kept as best.ckpt)
+  --stop_grace_s S                   seconds a SIGTERM / Ctrl-C stop may take (10): a rollout is
+                                     abandoned, an update finishes, then last.ckpt
   --debug                            tracebacks for errors (or GSPO_DEBUG=1)
 
 trainer (Lightning's Trainer)
