@@ -427,3 +427,17 @@ def test_length_penalty_bad_arguments(max_length, buffer, match):
 def test_length_penalty_lengths_mismatch():
     with pytest.raises(ValueError, match=r"2 completions but 1 completion_lengths"):
         length_penalty(["p"] * 2, ["a", "b"], max_length=10, buffer=2, completion_lengths=[3])
+
+
+def test_a_bug_in_scoring_raises_instead_of_scoring_zero(monkeypatch):
+    """No silent zeros: a completion without an answer scores 0, but an exception inside the scoring
+    (an extraction bug) reaches the run's reward handling, which stops with a checkpoint or, with
+    on_reward_error: zero, scores 0 and counts it (reward/errors) instead of removing all signal."""
+    import gspo_lightning.rewards.math as math_rewards
+
+    def broken(completion):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(math_rewards, "extract_final_answer", broken)
+    with pytest.raises(IndexError, match="list index out of range"):
+        math_accuracy(["p"], ["The answer is 3"], ["3"])

@@ -322,7 +322,7 @@ def _math_verify_equal(predicted: str, reference: str) -> bool:
         if not gold or not pred:
             return False
         return bool(verify(gold, pred, timeout_seconds=timeout))
-    except Exception:  # noqa: BLE001 -- a reward must never crash training
+    except Exception:  # noqa: BLE001 -- math-verify failing on a model's LaTeX (sympy errors, its timeouts): not shown equal
         return False
 
 
@@ -350,14 +350,14 @@ def answers_match(predicted: Optional[str], reference: Optional[str]) -> bool:
 
 
 def _score_one(completion: Any, reference: Any) -> float:
-    try:
-        ref = extract_reference_answer(reference)
-        if ref is None:
-            return 0.0
-        pred = extract_final_answer(completion)
-        return 1.0 if answers_match(pred, ref) else 0.0
-    except Exception:  # noqa: BLE001 -- garbage input scores 0, never raises
+    # no blanket except: a completion without an answer scores 0 (the extractors return None for
+    # any input, text or not), but a bug in scoring raises, and the run's reward handling names it
+    # (model.rollout.on_reward_error: raise stops with a checkpoint; zero scores 0 and counts it)
+    ref = extract_reference_answer(reference)
+    if ref is None:
         return 0.0
+    pred = extract_final_answer(completion)
+    return 1.0 if answers_match(pred, ref) else 0.0
 
 
 def math_accuracy(
