@@ -192,3 +192,23 @@ def test_a_stop_during_agent_episodes_ends_the_agents_and_the_endpoint_at_once(t
     assert f"checkpoint written to" in line and f"at step {step - 1};" in line
     checkpoint = next((tmp_path / "run").rglob("last.ckpt"))
     assert _global_step(checkpoint) == step - 1 >= 1
+
+
+def test_a_sigterm_during_an_evaluation_writes_the_step_before_it(tmp_path):
+    """An evaluation runs between steps: SIGTERM during its generation abandons it and writes the
+    state of the step just finished (the abandoned evaluation is not redone; the next due one runs)."""
+    marker = tmp_path / "evaluating"
+    # generate calls: 1-2 are steps 1-2, 3 is the evaluation after step 2 (one batch of held-out prompts)
+    proc = _start(tmp_path, {"SLOW_ENGINE": f"3:120:{marker}"}, "--stop_grace_s=10", "--trainer.limit_val_batches=2",
+                  "--trainer.val_check_interval=2", "--trainer.num_sanity_val_steps=0", "--data.val_size=8",
+                  engine={"class_path": "tests.test_stops.SlowEngine"})
+    _wait_for(marker, proc)
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - asked < 10 and proc.returncode == 0, err[-3000:]
+    checkpoint = tmp_path / "run" / "ckpt" / "last.ckpt"
+    assert "SIGTERM: abandoning the evaluation and writing the state of step 2" in err
+    line = f"SIGTERM: the evaluation abandoned; checkpoint written to {checkpoint} at step 2; resume with --ckpt_path {checkpoint}"
+    assert line in out, out[-2000:]
+    assert _global_step(checkpoint) == 2 and "Traceback" not in err

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gspo_lightning.errors import AgentError, ConfigError, NonFiniteError, RolloutServerError
 from gspo_lightning.rewards.base import RewardError
@@ -59,9 +60,10 @@ class Stopped(BaseException):
     A ``BaseException``, as ``KeyboardInterrupt``: the code it interrupts (a reward function's
     or an environment's error handling) must not take it for their own failure."""
 
-    def __init__(self, reason: str):
-        super().__init__(f"{reason}: the step's generation was abandoned")
+    def __init__(self, reason: str, evaluation: bool = False):
+        super().__init__(f"{reason}: the {'evaluation' if evaluation else 'step'}'s generation was abandoned")
         self.reason = reason
+        self.evaluation = evaluation  # an evaluation between steps, not a step's rollout
 
 
 class PreemptionCheckpoint(L.Callback):
@@ -132,6 +134,10 @@ class PreemptionCheckpoint(L.Callback):
             print(f"\n{name}: abandoning step {step}'s rollout and writing the state of step {step - 1} ({within})",
                   file=sys.stderr, flush=True)
             raise Stopped(name)  # in the trainer's thread, wherever it waits: the weights are the last boundary's
+        if phase == "evaluation":
+            print(f"\n{name}: abandoning the evaluation and writing the state of step {step - 1} ({within})",
+                  file=sys.stderr, flush=True)
+            raise Stopped(name, evaluation=True)
         print(f"\n{name}: writing the checkpoint of step {step - 1} ({within})", file=sys.stderr, flush=True)
 
     def _grace_ended(self) -> None:
@@ -218,6 +224,14 @@ class PreemptionCheckpoint(L.Callback):
             path = checkpoint_dir(trainer) / "nonfinite.ckpt"
             trainer.save_checkpoint(path, weights_only=False)
             log.error("stopped on non-finite updates; the state is saved in %s for inspection", path)
+        elif isinstance(exception, SIGTERMException) and self.saved is None and trainer.global_step > 0:
+            # Lightning raises this where its loops look (an evaluation between steps): the state is
+            # a step boundary's, and no step boundary wrote it yet
+            trainer.save_checkpoint(path, weights_only=False)
+            self.saved = path
+            if trainer.is_global_zero:
+                print(f"SIGTERM: checkpoint written to {path} at step {trainer.global_step}; resume with --ckpt_path {path}",
+                      flush=True)
         elif isinstance(exception, Stopped):
             if trainer.global_step == 0:
                 if trainer.is_global_zero:
@@ -226,7 +240,8 @@ class PreemptionCheckpoint(L.Callback):
             trainer.save_checkpoint(path, weights_only=False)
             self.saved = path
             if trainer.is_global_zero:
-                print(f"{exception.reason}: step {trainer.global_step + 1} abandoned; checkpoint written to {path} at step "
+                what = "the evaluation" if exception.evaluation else f"step {trainer.global_step + 1}"
+                print(f"{exception.reason}: {what} abandoned; checkpoint written to {path} at step "
                       f"{trainer.global_step}; resume with --ckpt_path {path}", flush=True)
         elif (trainer.global_step > 0 and isinstance(exception, Exception) and not isinstance(exception, Preempted)
               and getattr(pl_module, "step_phase", "update") != "update"):

@@ -168,8 +168,9 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         self.reference = None
         self.routing_recorder = None  # MoE policies: gspo_lightning.models.moe.RoutingRecorder (experts chosen per token)
         self.running_rewards = RunningMoments()
-        # "rollout" or "update" while a step runs, None between steps (run/preemption.py reads it: a
-        # stop abandons a rollout at once, lets an update finish, and a failure's checkpoint waits)
+        # "rollout" or "update" while a step runs, "evaluation" during one, else None (run/preemption.py
+        # reads it: a stop abandons a rollout or an evaluation at once, lets an update finish, and a
+        # failure's checkpoint waits for the update)
         self.step_phase: Optional[str] = None
         self.step_metrics = StepMetrics()
         self.val_metrics = StepMetrics()
@@ -275,9 +276,13 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         self.worker.close()  # engines, started servers and pushed weight files now, not at interpreter exit
 
     def on_validation_start(self) -> None:
+        self.step_phase = "evaluation"  # between steps: a stop may abandon it
         if self.rollouts is not None:  # the engine gets the current weights for evaluation: idle first
             self.rollouts.drain()
         self._start_worker()
+
+    def on_validation_end(self) -> None:
+        self.step_phase = None
 
     def on_test_start(self) -> None:
         self._start_worker()
