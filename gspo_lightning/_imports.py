@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 from typing import Any, Callable
+
 from gspo_lightning.errors import ConfigError
 
 

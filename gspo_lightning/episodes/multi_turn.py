@@ -16,8 +16,8 @@ from gspo_lightning._imports import import_callable
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
-from gspo_lightning.objective.advantages import turn_advantages
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.objective.advantages import turn_advantages
 
 
 class MultiTurn:

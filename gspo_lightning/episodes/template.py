@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, Optional
+
 from gspo_lightning.errors import ConfigError
 
 DEFAULT_TOOLS_SYSTEM_PROMPT = (

@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.tiny import build_tiny_model, build_tokenizer, get_spec, is_builtin
 from gspo_lightning.models.gguf import resolve_model
-from gspo_lightning.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the hub accepts as a model id: "name" or "organization/name"

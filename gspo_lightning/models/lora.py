@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
+
 from gspo_lightning.errors import ConfigError, MissingPackageError
 
 ADAPTER = "default"  # peft's adapter name; one adapter per policy

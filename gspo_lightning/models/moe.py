@@ -52,6 +52,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+
 from gspo_lightning.errors import ConfigError
 
 __all__ = ["RoutingRecorder", "RoutingChange", "RouterLogitsCapture", "load_balancing_loss"]

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
+
 from gspo_lightning.errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"

@@ -26,9 +26,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.objective.terms import kl_penalty
 from gspo_lightning.objective.options import AdvEstimator, RewardNorm, check_choice, choices
-from gspo_lightning.errors import ConfigError
 
 REWARD_NORMS = (None, *choices(RewardNorm))
 ADV_ESTIMATORS = choices(AdvEstimator)

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from torch import Tensor
 
 from gspo_lightning._imports import import_object
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.objective.cispo import CISPO
 from gspo_lightning.objective.gmpo import GMPO
 from gspo_lightning.objective.options import ImportanceSampling, KLEstimator, LossAggMode, check_choice, choices
@@ -23,7 +24,6 @@ from gspo_lightning.objective.sapo import SAPO, SATURATED_WEIGHT
 from gspo_lightning.objective.terms import (
     MAX_KL_VALUE, MAX_LOG_RATIO, Count, aggregate_loss, kl_penalty, log_importance_ratio, masked_sequence_mean,
 )
-from gspo_lightning.errors import ConfigError
 
 # the built-in objectives by name; a user's own is chosen by class_path and needs no entry here
 OBJECTIVES: dict[str, type[PolicyObjective]] = {cls.name: cls for cls in (PPOClip, SAPO, CISPO, GMPO)}

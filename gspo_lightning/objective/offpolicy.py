@@ -34,8 +34,8 @@ from typing import Callable, Literal, Optional
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.terms import masked_sequence_mean
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.objective.terms import masked_sequence_mean
 
 CorrectionMode = Literal["decoupled", "bypass"]
 WeightLevel = Literal["token", "seq", "seq-product"]

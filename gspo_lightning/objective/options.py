@@ -8,6 +8,7 @@ new value is added in one place.
 from __future__ import annotations
 
 from typing import Any, Literal, get_args
+
 from gspo_lightning.errors import ConfigError
 
 ImportanceSampling = Literal["seq", "seq-token", "token"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Sequence
+
 from gspo_lightning.errors import ConfigError
 
 __all__ = ["Evaluation", "pass_at_k", "pass_at_k_from_scores", "record_eval_rollout"]

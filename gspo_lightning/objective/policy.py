@@ -15,10 +15,10 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import Tensor
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.objective.terms import (
     MAX_LOG_RATIO, Count, aggregate_loss, kl_penalty, log_importance_ratio, masked_sequence_mean,
 )
-from gspo_lightning.errors import ConfigError
 
 Bound = Union[float, Tensor]
 

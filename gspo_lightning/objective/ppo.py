@@ -7,8 +7,8 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units, check_non_negative, log1p_bounds
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units, check_non_negative, log1p_bounds
 
 # Clip ranges follow the level of the ratio they clip (GSPO paper, section 5.1 / ROLL).
 DEFAULT_CLIP = {"seq": (3e-4, 4e-4), "seq-token": (3e-4, 4e-4), "token": (0.2, 0.27)}

@@ -8,8 +8,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.objective.policy import MAX_LOG_RATIO, Bound, PolicyObjective, Units
 
 # a unit is "saturated" where the gate passes less than half of the on-policy gradient
 SATURATED_WEIGHT = 0.5

@@ -28,6 +28,7 @@ import re
 import threading
 from fractions import Fraction
 from typing import Any, Optional, Sequence
+
 from gspo_lightning.errors import ConfigError
 
 __all__ = [

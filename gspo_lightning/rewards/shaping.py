@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any, Optional, Sequence
 
-from gspo_lightning.rewards.math import _as_text
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.rewards.math import _as_text
 
 __all__ = ["format_reward", "length_penalty", "DEFAULT_FORMAT_PATTERN"]
 

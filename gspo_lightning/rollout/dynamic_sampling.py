@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.sampling import round_seed
 from gspo_lightning.rollout.worker import Rollout
-from gspo_lightning.errors import ConfigError
 
 
 def groups_with_variance(rewards: Tensor, group_size: int) -> Tensor:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
+
 from gspo_lightning.errors import ConfigError
 
 if TYPE_CHECKING:

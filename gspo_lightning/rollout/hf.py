@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
 from gspo_lightning.rollout import kv_decode, stop
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.phases import PHASES
 from gspo_lightning.rollout.sampling import filter_logits
-from gspo_lightning.errors import ConfigError
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -28,10 +28,10 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.engine import EngineSpec, WeightsIterator
 from gspo_lightning.rollout.hf import HFEngine
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
-from gspo_lightning.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -36,8 +36,8 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
-from gspo_lightning.rollout.worker import Rollout
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.rollout.worker import Rollout
 
 StaleRollouts = Literal["regenerate", "reweight"]
 

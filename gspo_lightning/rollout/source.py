@@ -25,11 +25,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.dynamic_sampling import DynamicSampler
 from gspo_lightning.rollout.engine import RolloutEngine, WeightsSource
 from gspo_lightning.rollout.pipeline import RolloutPipeline, StaleRollouts, agree
 from gspo_lightning.rollout.worker import Rollout, RolloutWorker
-from gspo_lightning.errors import ConfigError
 
 Stats = dict[str, float]
 

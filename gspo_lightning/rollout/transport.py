@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from gspo_lightning.rollout.engine import WeightsIterator
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.rollout.engine import WeightsIterator
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

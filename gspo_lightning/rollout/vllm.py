@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.engine import (
     EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, check_lora_sync, lora_weights_format,
 )
@@ -33,7 +34,6 @@ from gspo_lightning.rollout.vllm_setup import (  # noqa: F401 - re-exported: the
     CPU_INSTALL, CUDA_INSTALL, VLLMStartError, import_vllm, install_command, platform_problem, vllm_distribution,
 )
 from gspo_lightning.rollout.weight_sync import outputs_to_generation
-from gspo_lightning.errors import ConfigError
 
 # Request seeds seed a torch.Generator (int64), and vLLM adds the sample index to them.
 REQUEST_SEED_MODULUS = 2**62

@@ -20,11 +20,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.lora import (
     MergedLoRAWeight, adapter_named_weights, base_named_weights, has_lora, merged_named_weights,
 )
 from gspo_lightning.rollout.engine import Generation
-from gspo_lightning.errors import ConfigError
 
 Bucket = list[tuple[str, Tensor]]
 

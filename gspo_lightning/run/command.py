@@ -19,6 +19,7 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+
 from gspo_lightning.errors import ConfigError
 
 TRAINER_DEFAULTS = {

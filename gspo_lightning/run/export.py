@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from gspo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from typing import Optional
 
 import yaml
 
-from gspo_lightning.training.config import BLOCK_OF, OBJECTIVE_KEYS, nest_flat_keys, objective_spelling, rename_note
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.training.config import BLOCK_OF, OBJECTIVE_KEYS, nest_flat_keys, objective_spelling, rename_note
 
 
 def translate_args(args: list[str]) -> tuple[list[str], Optional[str]]:

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
-from gspo_lightning.rollout.phases import PHASES
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.rollout.phases import PHASES
 
 DESCRIPTION = "step"
 SHOW_PHASE_AFTER_S = 2.0  # a bar's title names the phase once a step runs this long (no flicker on fast steps)

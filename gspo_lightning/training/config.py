@@ -13,13 +13,13 @@ import warnings
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.settings import Policy
 from gspo_lightning.objective.advantages import GROUP_ESTIMATORS, Advantages
 from gspo_lightning.objective.loss import objective_from_keywords, objective_spec
 from gspo_lightning.objective.passk import Evaluation
 from gspo_lightning.objective.settings import Objective
 from gspo_lightning.rollout.settings import Asynchronous, RolloutSettings
-from gspo_lightning.errors import ConfigError
 from gspo_lightning.training.update import Update, plan_batches
 
 BLOCKS: dict[str, type] = {

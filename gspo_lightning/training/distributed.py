@@ -19,6 +19,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
 from gspo_lightning.errors import ConfigError
 
 

@@ -32,8 +32,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from gspo_lightning.errors import ConfigError, NonFiniteError
 from gspo_lightning.episodes.multi_turn import MultiTurn, check_episode_objective
+from gspo_lightning.errors import ConfigError, NonFiniteError
 from gspo_lightning.models.cpu_attention import group_attention_on_cpu
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import re
+
 from gspo_lightning.errors import ConfigError
 
 QUESTION = "What is {a} + {b}? Answer with only the number."

@@ -11,6 +11,7 @@ Same 14-word vocabulary as echo, so ``builtin:tiny-echo`` / ``builtin:tiny-moe-e
 from __future__ import annotations
 
 import random
+
 from gspo_lightning.errors import ConfigError
 
 LENGTH = 8

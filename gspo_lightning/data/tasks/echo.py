@@ -9,6 +9,7 @@ Nothing is learned before RL: the model starts from random weights.
 from __future__ import annotations
 
 import random
+
 from gspo_lightning.errors import ConfigError
 
 REPEATS = 4

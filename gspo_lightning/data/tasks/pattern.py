@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from typing import Literal
+
 from gspo_lightning.errors import ConfigError
 
 DEFAULT_LENGTH = 32

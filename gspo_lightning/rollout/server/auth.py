@@ -19,6 +19,7 @@ import os
 import secrets
 from pathlib import Path
 from typing import Mapping, Optional
+
 from gspo_lightning.errors import ConfigError
 
 SECRET_ENV = "GSPO_SERVER_TOKEN"

@@ -21,12 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from gspo_lightning._imports import import_object
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.lora import adapter_param_name
 from gspo_lightning.rollout.engine import EngineSpec, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.server.lease import SessionLease
 from gspo_lightning.rollout.server.limits import ServerLimits
 from gspo_lightning.rollout.transport import RECEIVERS, WeightsChecksum, WeightTransport, default_weights_root
-from gspo_lightning.errors import ConfigError
 
 DEFAULT_ENGINE = {"class_path": "gspo_lightning.rollout.HFEngine", "init_args": {}}
 

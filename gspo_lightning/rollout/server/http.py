@@ -53,12 +53,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
+from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.server.auth import authorized, is_loopback
 from gspo_lightning.rollout.server.host import RolloutServer, VersionError
 from gspo_lightning.rollout.server.lease import SessionError
 from gspo_lightning.rollout.server.limits import BadRequest, ServerLimits, generation_request, session_token, \
     weights_request
-from gspo_lightning.errors import ConfigError
 
 Route = Callable[[RolloutServer, dict], dict]
 

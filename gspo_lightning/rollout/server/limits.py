@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from gspo_lightning.rollout.engine import SamplingParams
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.rollout.engine import SamplingParams
 
 
 class BadRequest(ValueError):
