@@ -32,6 +32,9 @@ def tiny_gsm8k():
 
 
 def pytest_collection_modifyitems(config, items):
+    # the slow tests first: with the tests shared by two worker processes (pytest -n 2), a long
+    # test started last would leave the other worker idle for its whole length
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
