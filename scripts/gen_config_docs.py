@@ -97,7 +97,63 @@ model:
 A function that raises, returns the wrong number of scores, or a NaN stops the run with a
 message naming it and the sample (`model.rollout.on_reward_error: zero` scores such samples 0 and
 counts them instead). Built-ins: `gspo_lightning.rewards.math_accuracy`, `exact_match`,
-`format_reward`, `length_penalty`.
+`format_reward`, `length_penalty`, and the two below.
+
+A reward function whose every sample of a step gets the same score (all 0, say), 20 steps in a
+row, is named once on the console: it teaches nothing.
+
+### Rewards from models: an LLM judge, a reward model
+
+`gspo_lightning.rewards.LLMJudge` asks an LLM behind an OpenAI-compatible endpoint (a `vllm serve`
+process, a hosted API) to score each completion; `gspo_lightning.rewards.RewardModel` scores
+with a sequence-classification reward model (one output) from a folder or hub id. Both are
+factories (`factory: true`): built once when the run starts, so an endpoint that does not
+answer, a key it refuses, a model it does not serve or a reward-model folder that does not load
+stops the run there, in one line. A judge over a GSM8K-style dataset (its `answer` column in the
+prompt), beside a reward model scaled into 0-1:
+
+```yaml
+model:
+  rewards:
+    - function: gspo_lightning.rewards.LLMJudge
+      factory: true
+      name: judge
+      kwargs:
+        base_url: http://127.0.0.1:8000/v1
+        model: judge
+        api_key_env: JUDGE_API_KEY   # the variable holding the key, never the key itself
+        prompt: |-
+          Question: {prompt}
+          Reference answer: {answer}
+          Student answer: {completion}
+          Grade the student answer from 0 to 10. Reply with the grade only.
+        scale: [0, 10]
+        max_concurrency: 8
+        timeout_s: 60
+    - function: gspo_lightning.rewards.RewardModel
+      factory: true
+      name: rm
+      weight: 0.5
+      kwargs: {model_name_or_path: path/to/reward-model, batch_size: 16, normalize: sigmoid}
+```
+
+The judge's prompt is a Python format string: `{prompt}`, `{completion}` (an episode: its
+conversation as `role: content` lines) and any dataset column (a field no column provides stops
+the first batch, naming it; a literal brace is written `{{` or `}}`). A reply without a score,
+a score outside `scale`, or a request that fails after its retries leaves that sample
+unscored (`None`, not 0): counted in `reward/<name>/failed`, and the first failure of each
+kind (timeout, HTTP status, connection, no score) printed once. More than half of a batch
+failing stops the run with a checkpoint and one line naming the endpoint, whatever
+`on_reward_error` says. `group: true` sends each group (the responses to one prompt) in one
+request, `{completions}` in place of `{completion}` (numbered `Response 1:` ...), and reads one
+`Response <i>: <score>` line per response, as ART's RULER does; a reply that does not score
+every response leaves the group unscored. Requests run concurrently, at most `max_concurrency`
+in flight.
+
+The reward model reads prompt and completion as a conversation through its own tokenizer's chat
+template (plain text concatenated when it has none), in batches of `batch_size`, each score the
+one the sample gets alone (right padding: the last real token sees no padding). It is frozen, in
+eval mode, on `device` (default: the rank's GPU, else the CPU).
 """
 
 
@@ -223,6 +279,10 @@ def render() -> str:
               "overwritten either way), `--checkpoint.monitor=step --checkpoint.mode=max --checkpoint.save_top_k=K`",
               "(the K newest as step-named files, beside `last.ckpt`), `--model.export_on_fit_end=false` (no",
               "`hf_model/`).", "", REWARDS]
+    from gspo_lightning.rewards import LLMJudge, RewardModel
+
+    parts += [line.replace("## `", "#### `", 1) for line in section("kwargs", LLMJudge)]
+    parts += [line.replace("## `", "#### `", 1) for line in section("kwargs", RewardModel)]
     return "\n".join(parts)
 
 

@@ -109,3 +109,8 @@ def metric_rows(folder: Path) -> dict[float, dict[str, str]]:
 def policy_state(ckpt: Path) -> dict[str, torch.Tensor]:
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     return {k: v for k, v in state.items() if k.startswith("policy.")}
+
+
+def constant_reward(prompts, completions, **columns):
+    """The same score for everything (a judge that never parses, say): no learning signal."""
+    return [0.0] * len(completions)

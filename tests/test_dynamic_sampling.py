@@ -67,6 +67,7 @@ def test_every_per_row_field_of_a_kept_group_comes_from_its_own_round():
     a.behaviour_trainer_logprobs = torch.tensor([[-0.1, -0.2], [-0.3, 0.0], [-0.4, -0.5], [-0.6, 0.0]])
     b.behaviour_trainer_logprobs = torch.tensor([[-1.1, 0, 0], [-1.2, -1.3, -1.4], [-1.5, 0, 0], [-1.6, -1.7, 0]])
     a.reward_errors, b.reward_errors = 1, 2
+    a.reward_stats, b.reward_stats = {"reward/judge/failed": 1.0}, {"reward/judge/failed": 3.0}
 
     merged = select_groups([a, b], [(0, 1), (1, 0), (1, 1)], PAD)  # a's group 1, then b's groups 0 and 1
 
@@ -79,7 +80,7 @@ def test_every_per_row_field_of_a_kept_group_comes_from_its_own_round():
     assert merged.lengths.tolist() == [2, 1, 1, 3, 1, 2]
     assert torch.allclose(merged.behaviour_trainer_logprobs, torch.tensor(
         [[-0.4, -0.5, 0], [-0.6, 0, 0], [-1.1, 0, 0], [-1.2, -1.3, -1.4], [-1.5, 0, 0], [-1.6, -1.7, 0]]))
-    assert merged.reward_errors == 3
+    assert merged.reward_errors == 3 and merged.reward_stats == {"reward/judge/failed": 4.0}  # every round's failures
 
     b.behaviour_trainer_logprobs = None  # one round without them: the merged rollout has none
     assert select_groups([a, b], [(0, 1), (1, 0)], PAD).behaviour_trainer_logprobs is None

@@ -14,7 +14,7 @@ def fake_rollout(rewards, scored, group_size):
         rewards=torch.tensor(rewards), scored=None if scored is None else torch.tensor(scored),
         group_size=group_size, reward_components={}, lengths=torch.full((n,), 3),
         truncated=torch.zeros(n, dtype=torch.bool), response_mask=torch.ones(n, 3, dtype=torch.bool), reward_errors=0,
-        turn_of_token=None, episode_stats={},  # no episodes
+        turn_of_token=None, episode_stats={}, reward_stats={"reward/judge/failed": 2.0},  # no episodes
     )
 
 
@@ -28,6 +28,7 @@ def test_unscored_responses_join_no_reward_metric():
     values = m.compute()
     # scored rewards 1, 0, 1, 1, 1, 0.5: mean 4.5 / 6, mean of squares 4.25 / 6
     assert values["reward/mean"] == pytest.approx(0.75)
+    assert values["reward/judge/failed"] == 2.0  # a judge's unscored samples: a count, summed over ranks
     assert values["reward/sq_mean"] == pytest.approx(4.25 / 6)
     assert values["reward/unscored_frac"] == pytest.approx(0.5)
     # B (all equal) and C (one scored) teach nothing; A does (counting None as 0 made B look spread)
@@ -71,3 +72,33 @@ def test_aggregates_live_on_the_device_the_module_moved_to():
         m.to("cuda")
         m.update("c", 3.0)
         assert m.aggregates[m._key("c")].device.type == "cuda"
+
+
+def test_a_reward_that_gives_one_value_step_after_step_is_named_once():
+    from gspo_lightning.training.metrics import ConstantRewardWatch
+
+    watch = ConstantRewardWatch(steps=3)
+    nan = float("nan")
+    same = {"judge": torch.tensor([0.0, 0.0, nan]), "format": torch.tensor([1.0, 0.0, 1.0])}
+    assert watch.update(same) == [] and watch.update(same) == []
+    lines = watch.update(same)
+    assert len(lines) == 1 and lines[0].startswith("reward 'judge' gave every sample the same score (0 at the last step) "
+                                                   "for 3 steps in a row")
+    assert watch.update(same) == []  # once
+    varied = ConstantRewardWatch(steps=2)
+    varied.update({"judge": torch.tensor([1.0, 1.0])})
+    varied.update({"judge": torch.tensor([1.0, 0.0])})  # the streak breaks
+    assert varied.update({"judge": torch.tensor([1.0, 1.0])}) == []
+    assert varied.update({"judge": torch.tensor([nan, nan])}) == []  # nothing scored: neither same nor different
+    assert len(varied.update({"judge": torch.tensor([1.0, 1.0])})) == 1
+
+
+def test_a_run_whose_reward_never_varies_says_so_once(tmp_path):
+    from gspo_lightning.rewards import RewardSpec
+    from tests.helpers_fit import fit, make_module
+
+    flat = make_module(rewards=[RewardSpec(function="tests.helpers_fit.constant_reward", name="flat"),
+                                RewardSpec(function="tests.helpers_fit.reward_by_text", name="varied")])
+    flat.constant_rewards.steps = 3
+    fit(flat, tmp_path, max_steps=4)
+    assert flat.constant_rewards.said == {"flat"}

@@ -283,8 +283,10 @@ def test_answers_do_not_match(predicted, reference):
         ("   ", "72", 0.0),
         ("no idea", "72", 0.0),
         ("\\boxed{", "72", 0.0),
-        ("72", None, 0.0),
-        ("72", "", 0.0),
+        # a reference without an answer: unscored (counted), not 0
+        ("72", None, None),
+        ("72", "", None),
+        ("72", "   ", None),
         (12345, "72", 0.0),
         ({"weird": "object"}, "72", 0.0),
     ],
@@ -330,6 +332,25 @@ def test_latex_equivalence_in_a_thread():
     t.start()
     t.join()
     assert result == [1.0]
+
+
+def test_unscorable_samples_are_counted_and_each_kind_printed_once(monkeypatch, capsys):
+    from gspo_lightning.rewards import math as math_rewards
+
+    math_accuracy.pop_failures()
+    assert math_accuracy(["p"] * 3, ["#### 1", "#### 2", "#### 3"], ["1", "", None]) == [1.0, None, None]
+    assert math_accuracy.pop_failures() == 2 and math_accuracy.pop_failures() == 0
+    assert capsys.readouterr().err.count("holds no answer to compare with; fix the row") <= 1  # once per process
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sympy blew up")
+
+    pytest.importorskip("math_verify")
+    monkeypatch.setattr("math_verify.verify", broken)
+    got = math_accuracy(["p"] * 2, ["\\boxed{\\frac{1}{\\sqrt{2}}}", "#### 5"], ["\\frac{\\sqrt{2}}{2}", "5"])
+    assert got == [None, 1.0] and math_accuracy.pop_failures() == 1
+    assert "math-verify could not compare" in capsys.readouterr().err
+    assert math_rewards.FAILURES.pop() == 0
 
 
 def test_without_math_verify_numeric_comparison_still_works(monkeypatch):

@@ -63,6 +63,10 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
     # the quickstart model with 2 heads of 32 dims (configs/quickstart_vllm.yaml): vLLM's CPU
     # attention has no kernel for heads of 16
     "tiny-successor-h32": TinyModelSpec(words=SUCCESSOR_WORDS, num_attention_heads=2, num_key_value_heads=1),
+    # the judge of the successor task (data/tasks/successor_judge.py): its chat roles and "answer"
+    # are words too; heads of 32 dims, so a stock vLLM server runs it on CPUs
+    "tiny-successor-judge": TinyModelSpec(words=(*SUCCESSOR_WORDS, "answer", "user:", "assistant:"),
+                                          num_attention_heads=2, num_key_value_heads=1),
     # multi-turn episodes with a tool (the lookup task); heads of 32 dims, so vLLM's CPU attention runs it too
     "tiny-lookup": TinyModelSpec(words=LOOKUP_WORDS, num_attention_heads=2, num_key_value_heads=1,
                                  chat_template=LOOKUP_CHAT_TEMPLATE),

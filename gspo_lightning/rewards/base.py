@@ -35,6 +35,8 @@ import concurrent.futures
 import functools
 import inspect
 import math
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -67,6 +69,39 @@ class RewardSpec:
 
 class RewardError(RuntimeError):
     """A reward function failed; the message names the function and the sample."""
+
+
+class RewardUnavailable(RewardError):
+    """A reward's service (a judge's endpoint) failed most of a batch: the run stops, whatever
+    ``on_reward_error`` says (scoring the batch 0 would train on noise)."""
+
+
+class FailureCounts:
+    """The samples a reward function left unscored (``None``) because scoring failed, for
+    ``reward/<name>/failed``; the first failure of each kind is printed once, with its reason.
+
+    A function exposes ``pop_failures = counts.pop`` (the composer reads it after every
+    batch). Thread-safe: an asynchronous producer scores on its own thread."""
+
+    def __init__(self, who: str):
+        self.who = who
+        self._count = 0
+        self._kinds: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, reason: str) -> None:
+        with self._lock:
+            self._count += 1
+            first = kind not in self._kinds
+            self._kinds.add(kind)
+        if first:
+            print(f"{self.who}: a sample left unscored ({reason}); such failures are counted in "
+                  f"reward/<name>/failed and not printed again", file=sys.stderr)
+
+    def pop(self) -> int:
+        with self._lock:
+            count, self._count = self._count, 0
+        return count
 
 
 def import_function(path: str) -> Callable:
@@ -138,6 +173,13 @@ class RewardComposer:
     @property
     def names(self) -> list[str]:
         return [name for name, _, _ in self.functions]
+
+    def pop_failure_counts(self) -> dict[str, float]:
+        """``reward/<name>/failed``: the samples each counting function (one with
+        ``pop_failures()``: the judge, the reward model) left unscored since the last call; every
+        such function every time, 0 included, so each rank logs the same names."""
+        return {f"reward/{name}/failed": float(fn.pop_failures()) for name, _, fn in self.functions
+                if callable(getattr(fn, "pop_failures", None))}
 
     def __call__(
         self,
@@ -213,6 +255,8 @@ class RewardComposer:
         if isinstance(raw, BaseException):
             if not isinstance(raw, Exception):  # KeyboardInterrupt, SystemExit: not the function's failure
                 raise raw
+            if isinstance(raw, (RewardUnavailable, ConfigError)):  # the service is down, or a setting is wrong
+                raise type(raw)(f"reward function {name!r}: {raw}") from raw
             first = prompts[0] if prompts else None
             return self._fail(name, f"raised {type(raw).__name__}: {raw} (batch of {n}, first prompt {first!r})", n)
         try:

@@ -30,6 +30,7 @@ from fractions import Fraction
 from typing import Any, Optional, Sequence
 
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.rewards.base import FailureCounts
 
 __all__ = [
     "math_accuracy",
@@ -303,6 +304,10 @@ def _normalize_string(s: str) -> str:
     return s.rstrip(".")
 
 
+class MathVerifyFailed(RuntimeError):
+    """math-verify raised (or timed out) comparing two answers: neither equal nor unequal."""
+
+
 def _math_verify_equal(predicted: str, reference: str) -> bool:
     """Symbolic equivalence through the optional ``math-verify`` package (False if absent)."""
     try:
@@ -323,8 +328,8 @@ def _math_verify_equal(predicted: str, reference: str) -> bool:
         if not gold or not pred:
             return False
         return bool(verify(gold, pred, timeout_seconds=timeout))
-    except Exception:  # noqa: BLE001 -- math-verify failing on a model's LaTeX (sympy errors, its timeouts): not shown equal
-        return False
+    except Exception as err:  # noqa: BLE001 -- sympy's errors, math-verify's timeouts: undecided, not unequal
+        raise MathVerifyFailed(f"{type(err).__name__}: {err}") from err
 
 
 def answers_match(predicted: Optional[str], reference: Optional[str]) -> bool:
@@ -332,7 +337,8 @@ def answers_match(predicted: Optional[str], reference: Optional[str]) -> bool:
 
     1. both read as numbers (:func:`parse_number`): equal by exact value;
     2. otherwise the strings equal after removing whitespace, ``$``, ``\\text{}``;
-    3. otherwise, when both look like LaTeX, ``math-verify`` (if installed) decides.
+    3. otherwise, when both look like LaTeX, ``math-verify`` (if installed) decides; it raising
+       or timing out raises :class:`MathVerifyFailed` (undecided: the caller leaves the sample unscored).
     """
     if not predicted or not reference:
         return False
@@ -350,21 +356,32 @@ def answers_match(predicted: Optional[str], reference: Optional[str]) -> bool:
 # --------------------------------------------------------------------------- rewards
 
 
-def _score_one(completion: Any, reference: Any) -> float:
+# math_accuracy's unscored samples (reward/<name>/failed): a reference without an answer, math-verify failing
+FAILURES = FailureCounts("math_accuracy")
+
+
+def _score_one(completion: Any, reference: Any) -> Optional[float]:
     # no blanket except: a completion without an answer scores 0 (the extractors return None for
     # any input, text or not), but a bug in scoring raises, and the run's reward handling names it
     # (model.rollout.on_reward_error: raise stops with a checkpoint; zero scores 0 and counts it)
     ref = extract_reference_answer(reference)
-    if ref is None:
-        return 0.0
+    if ref is None:  # the row's fault, not the completion's: no score rather than a silent 0
+        FAILURES.add("no reference", f"the answer column's {reference!r} holds no answer to compare with; fix the row")
+        return None
     pred = extract_final_answer(completion)
-    return 1.0 if answers_match(pred, ref) else 0.0
+    try:
+        return 1.0 if answers_match(pred, ref) else 0.0
+    except MathVerifyFailed as err:
+        FAILURES.add("math-verify", f"math-verify could not compare {pred!r} with {ref!r}: {err}")
+        return None
 
 
 def math_accuracy(
     prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any
-) -> list[float]:
-    """1.0 where the completion's final answer equals the reference ``answer``, else 0.0.
+) -> list[Optional[float]]:
+    """1.0 where the completion's final answer equals the reference ``answer``, else 0.0;
+    ``None`` (unscored, counted in ``reward/<name>/failed``) where the reference holds no
+    answer or math-verify fails to compare the two.
 
     ``answer`` cells may be bare answers (``"72"``, ``"\\frac{1}{2}"``) or GSM8K
     solutions ending in ``#### N``. Raises ``ValueError`` if ``answer`` and
@@ -372,6 +389,9 @@ def math_accuracy(
     """
     _check_lengths(completions, answer)
     return [_score_one(c, a) for c, a in zip(completions, answer)]
+
+
+math_accuracy.pop_failures = FAILURES.pop  # read by the composer after every batch
 
 
 def exact_match(

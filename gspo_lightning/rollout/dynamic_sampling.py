@@ -104,6 +104,7 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
         scored=torch.cat(parts["scored"]) if any(r.scored is not None for r in rollouts) else None,
         timings=timings,
         reward_errors=sum(r.reward_errors for r in rollouts),
+        reward_stats={name: sum(r.reward_stats.get(name, 0.0) for r in rollouts) for name in first.reward_stats},
         turn_of_token=torch.cat(parts["turn_of_token"]) if episodes else None,
         turn_rewards=turn_rewards if episodes else None,
         episode_stats=_mean_stats([r.episode_stats for r in rollouts]),

@@ -47,6 +47,8 @@ class Rollout:
     scored: Optional[Tensor] = None  # (N,) bool: False where no reward function gave a score
     timings: dict[str, float] = field(default_factory=dict)
     reward_errors: int = 0
+    # reward/<name>/failed: samples a judge or reward model left unscored (summed over ranks)
+    reward_stats: dict[str, float] = field(default_factory=dict)
     # the trainer's log-probs at the weights that sampled (o_b), when the producer kept them
     # (an asynchronous producer with a float32 copy): the clip budget's numerics / staleness split
     behaviour_trainer_logprobs: Optional[Tensor] = None
@@ -239,6 +241,7 @@ class RolloutWorker:
             scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),
             timings=timings,
             reward_errors=errors,
+            reward_stats=self.rewards.pop_failure_counts() if self.rewards is not None else {},
             **episode_fields,
         )
 

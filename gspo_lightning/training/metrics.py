@@ -59,6 +59,33 @@ class StepMetrics(nn.Module):
         return out
 
 
+class ConstantRewardWatch:
+    """Notices a reward function that gives every sample of a step one value, step after step:
+    it teaches nothing (a judge whose replies never parse, a reward model fed the wrong text,
+    a task too hard to ever score). Says so once per function, after ``steps`` such steps in a row."""
+
+    def __init__(self, steps: int = 20):
+        self.steps = steps
+        self.streaks: dict[str, int] = {}
+        self.said: set[str] = set()
+
+    def update(self, components: dict[str, Tensor]) -> list[str]:
+        """This step's scores per function (NaN: unscored); the lines to say now."""
+        lines = []
+        for name, values in components.items():
+            scored = values[~values.isnan()]
+            if scored.numel() == 0:
+                continue  # nothing scored: the failure counts say it
+            same = bool((scored == scored[0]).all())
+            self.streaks[name] = self.streaks.get(name, 0) + 1 if same else 0
+            if self.streaks[name] >= self.steps and name not in self.said:
+                self.said.add(name)
+                lines.append(f"reward {name!r} gave every sample the same score ({float(scored[0]):g} at the last step) "
+                             f"for {self.steps} steps in a row: it adds no learning signal; check it (a judge's "
+                             f"replies, a reward model's inputs) or the task's difficulty")
+        return lines
+
+
 def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     """Rewards, group spread, lengths and truncation of one rollout (``rollout/worker.py``)."""
     m = metrics
@@ -87,6 +114,8 @@ def record_rollout(metrics: StepMetrics, rollout, advantages: Tensor) -> None:
     valid = rollout.response_mask
     m.update("advantage/mean", advantages[valid].mean() if valid.any() else 0.0, valid.sum())
     m.update("reward/errors", float(rollout.reward_errors), kind="max")
+    for name, value in rollout.reward_stats.items():  # reward/<name>/failed: the step's totals over every rank
+        m.update(name, value, kind="sum")
     for name, value in rollout.episode_stats.items():  # episodes: turns, tool calls and errors, endings
         if name.startswith("agent/"):  # the agents' counts: the step's totals over every rank
             m.update(name, value, kind="sum")

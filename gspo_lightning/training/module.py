@@ -29,7 +29,7 @@ from typing import Optional
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from gspo_lightning.episodes.multi_turn import MultiTurn, check_episode_objective
@@ -55,7 +55,7 @@ from gspo_lightning.training import log_fast_path
 from gspo_lightning.training.distributed import GradientSync, all_ranks_true, all_reduce_sum, check_strategy
 from gspo_lightning.training.logprobs import response_logprobs
 from gspo_lightning.training.loss_scaling import LossScaling
-from gspo_lightning.training.metrics import StepMetrics, eval_step, step_values
+from gspo_lightning.training.metrics import ConstantRewardWatch, StepMetrics, eval_step, step_values
 from gspo_lightning.training.checkpointing import CheckpointHooks
 from gspo_lightning.training.rank_state import gather_objects
 from gspo_lightning.training.strategy_ops import StrategyOps
@@ -173,6 +173,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         # failure's checkpoint waits for the update)
         self.step_phase: Optional[str] = None
         self.step_metrics = StepMetrics()
+        self.constant_rewards = ConstantRewardWatch()
         self.val_metrics = StepMetrics()
         self.updater: Optional[PolicyUpdater] = None
         self.policy_version = 0  # optimizer steps taken; the weights a rollout was sampled with
@@ -442,6 +443,8 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         values["lr"] = float(self.optimizers().param_groups[0]["lr"])
         values["step"] = float(self.trainer.global_step)  # the loggers' x: steps done, as in evaluations and checkpoints
         values.update(batch.get("stats", {}))  # prompts kept / truncated / dropped / bad
+        for line in self.constant_rewards.update(rollout.reward_components):
+            rank_zero_warn(line)
         if rollout.reward_errors and self.settings.rollout.on_reward_error == "zero":
             warnings.warn(f"step {self.rollout_steps}: {rollout.reward_errors} response(s) scored 0 because a reward "
                           f"function failed (on_reward_error=zero); see reward/errors in the logs", stacklevel=2)
