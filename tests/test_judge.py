@@ -128,3 +128,15 @@ def test_start_errors_name_the_problem(server, monkeypatch):
     with pytest.raises(ConfigError, match=r"field\(s\) \['reference'\] are no dataset column \(columns: \['answer'"):
         score(judge, ["SCORE=1"], answer=["1"], completion_lengths=[1])
     assert server.requests == []  # nothing was sent for a template it cannot fill
+
+
+def test_the_recipes_judge_is_taught_the_verdict_right_after_the_generation_prompt():
+    from gspo_lightning.data.tasks.successor_judge import MODEL, encode, verdict
+    from gspo_lightning.models.tiny import build_tiny
+
+    assert [verdict(7, a) for a in ("8 8 8 8", "8", "7 8 8 8", "", "next 8")] == ["1", "1", "0", "0", "0"]
+    _, tokenizer = build_tiny(MODEL)
+    ids, start = encode(tokenizer, 7, "8 3")
+    assert tokenizer.decode(ids[:start]) == "user: next 7 answer 8 3 assistant:"  # as a server renders the request
+    assert ids[start:] == [tokenizer.convert_tokens_to_ids("1"), tokenizer.eos_token_id]
+    assert tokenizer.unk_token_id not in ids  # every word of the judge's prompt is in its vocabulary

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.tiny import TINY_MODELS, build_tokenizer
@@ -126,3 +126,39 @@ def test_the_worked_example_of_the_config_reference_runs(tmp_path, rm_folder, mo
     assert server.requests[0]["messages"][0]["content"].startswith("Question: two and two\nReference answer: 4\n")
     rm = RewardModel(rm_folder, normalize="sigmoid")(prompts=["two and two", "three"], completions=["SCORE=10", "SCORE=4"])
     assert all(abs(t - (j + 0.5 * r)) < 1e-6 for t, j, r in zip(total, parts["judge"], rm)) and all(scored)
+
+
+@pytest.mark.slow
+def test_the_reward_model_recipe_learns_the_task_from_the_reward_models_scores_alone(tmp_path):
+    """configs/reward_model_successor.yaml as its header runs it: the reward model trained from
+    preference pairs, then `gspo fit` from another folder; the task's own score (weight 0, never
+    trained on) rises from chance to >= 0.9, and the export answers outside the trainer."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    made = subprocess.run([sys.executable, "-m", "gspo_lightning.data.tasks.successor_reward_model", "runs/successor_rm"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert made.returncode == 0, made.stdout + made.stderr
+    fit_run = subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config",
+                              str(root / "configs" / "reward_model_successor.yaml"), "--trainer.enable_progress_bar=false"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert fit_run.returncode == 0, fit_run.stderr[-3000:]
+    run = tmp_path / "runs" / "reward_model_successor" / "csv" / "version_0"
+    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("reward/rm")]
+    tenth = len(rows) // 10
+    truth = [float(r["reward/truth"]) for r in rows]
+    first, last = sum(truth[:tenth]) / tenth, sum(truth[-tenth:]) / tenth
+    assert len(rows) == 150 and first < 0.2 and last >= 0.9, (first, last)
+    tokenizer = AutoTokenizer.from_pretrained(run / "hf_model")
+    policy = AutoModelForCausalLM.from_pretrained(run / "hf_model").eval()
+    right = 0
+    for digit in range(10):
+        ids = tokenizer(f"next {digit}", return_tensors="pt").input_ids
+        out = policy.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        right += tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split() == [str((digit + 1) % 10)] * 4
+    assert right >= 9

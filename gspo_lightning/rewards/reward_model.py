@@ -99,16 +99,8 @@ class RewardModel:
         self.max_length = max_length
 
     def texts(self, prompts: list, completions: list) -> list[str]:
-        """Each sample as the reward model reads it: the conversation through its chat template."""
-        if not self.tokenizer.chat_template:
-            return [_text(p) + _text(c) for p, c in zip(prompts, completions)]
-        out = []
-        for prompt, completion in zip(prompts, completions):
-            messages = list(prompt) if is_conversational(prompt) else [{"role": "user", "content": str(prompt)}]
-            messages += list(completion) if is_conversational(completion) else \
-                [{"role": "assistant", "content": str(completion)}]
-            out.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
-        return out
+        """Each sample as the reward model reads it (:func:`conversation_text`)."""
+        return [conversation_text(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
 
     @torch.inference_mode()
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
@@ -125,6 +117,18 @@ class RewardModel:
                 logits = torch.sigmoid(logits)
             scores.extend(logits.tolist())
         return scores
+
+
+def conversation_text(tokenizer, prompt: Any, completion: Any) -> str:
+    """A prompt and its completion as a reward model reads them: the conversation through the
+    tokenizer's chat template, or the two texts joined when it has none. Train a reward model
+    on these texts (tokenized without special tokens where there is a template) and it scores
+    here what it learned on."""
+    if not tokenizer.chat_template:
+        return _text(prompt) + _text(completion)
+    messages = list(prompt) if is_conversational(prompt) else [{"role": "user", "content": str(prompt)}]
+    messages += list(completion) if is_conversational(completion) else [{"role": "assistant", "content": str(completion)}]
+    return tokenizer.apply_chat_template(messages, tokenize=False)
 
 
 def _text(value: Any) -> str:
