@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.tiny import TINY_MODELS, build_tokenizer
@@ -103,8 +103,11 @@ def test_a_run_trains_on_a_judge_and_a_reward_model_and_logs_each(tmp_path, rm_f
     assert abs(float(logged["reward/mean"]) - total) < 1e-5
 
 
-def test_the_worked_example_of_the_config_reference_runs(tmp_path, rm_folder, monkeypatch):
-    """docs/config.md's judge and reward model, pointed at the test's endpoint and folder."""
+@pytest.mark.parametrize("doc, section", [("config.md", "### Rewards from models"), ("rewards.md", "# Rewards from models")])
+def test_the_worked_examples_of_the_docs_run(doc, section, tmp_path, rm_folder, monkeypatch):
+    """The judge and reward model of docs/config.md and docs/rewards.md, pointed at the test's
+    endpoint and folder: the template filled from the prompt, completion and answer column, the
+    judge's grades scaled, the reward model's scores weighted in."""
     import re
     from pathlib import Path
 
@@ -112,8 +115,8 @@ def test_the_worked_example_of_the_config_reference_runs(tmp_path, rm_folder, mo
 
     from gspo_lightning.rewards import RewardComposer
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
-    example = re.findall(r"```yaml\n(.*?)```", text[text.index("### Rewards from models"):], re.S)[0]
+    text = (Path(__file__).resolve().parents[1] / "docs" / doc).read_text()
+    example = re.findall(r"```yaml\n(.*?)```", text[text.index(section):], re.S)[0]
     rewards = yaml.safe_load(example)["model"]["rewards"]
     with JudgeServer() as server:
         monkeypatch.setenv("JUDGE_API_KEY", server.key)
@@ -123,42 +126,28 @@ def test_the_worked_example_of_the_config_reference_runs(tmp_path, rm_folder, mo
         total, parts, scored = composer(prompts=["two and two", "three"], completions=["SCORE=10", "SCORE=4"],
                                         completion_ids=None, columns={"answer": ["4", "3"]})
     assert parts["judge"] == [1.0, 0.4]
-    assert server.requests[0]["messages"][0]["content"].startswith("Question: two and two\nReference answer: 4\n")
+    sent = server.requests[0]["messages"][0]["content"]
+    assert "two and two" in sent and "SCORE=10" in sent and "4" in sent.replace("SCORE=10", "")
+    weight = {r["name"]: r.get("weight", 1.0) for r in rewards}["rm"]
     rm = RewardModel(rm_folder, normalize="sigmoid")(prompts=["two and two", "three"], completions=["SCORE=10", "SCORE=4"])
-    assert all(abs(t - (j + 0.5 * r)) < 1e-6 for t, j, r in zip(total, parts["judge"], rm)) and all(scored)
+    assert all(abs(t - (j + weight * r)) < 1e-6 for t, j, r in zip(total, parts["judge"], rm)) and all(scored)
 
 
 @pytest.mark.slow
 def test_the_reward_model_recipe_learns_the_task_from_the_reward_models_scores_alone(tmp_path):
-    """configs/reward_model_successor.yaml as its header runs it: the reward model trained from
-    preference pairs, then `gspo fit` from another folder; the task's own score (weight 0, never
-    trained on) rises from chance to >= 0.9, and the export answers outside the trainer."""
-    import csv
-    import os
+    """configs/reward_model_successor.yaml as docs/rewards.md runs it (scripts/model_reward_recipes.py:
+    the reward model trained from preference pairs, then `gspo fit` in another folder): the task's
+    own score (weight 0, never trained on) rises from chance to >= 0.9, and the export, loaded with
+    AutoModelForCausalLM, answers next 0-9 outside the trainer."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    made = subprocess.run([sys.executable, "-m", "gspo_lightning.data.tasks.successor_reward_model", "runs/successor_rm"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert made.returncode == 0, made.stdout + made.stderr
-    fit_run = subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "fit", "--config",
-                              str(root / "configs" / "reward_model_successor.yaml"), "--trainer.enable_progress_bar=false"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert fit_run.returncode == 0, fit_run.stderr[-3000:]
-    run = tmp_path / "runs" / "reward_model_successor" / "csv" / "version_0"
-    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("reward/rm")]
-    tenth = len(rows) // 10
-    truth = [float(r["reward/truth"]) for r in rows]
-    first, last = sum(truth[:tenth]) / tenth, sum(truth[-tenth:]) / tenth
-    assert len(rows) == 150 and first < 0.2 and last >= 0.9, (first, last)
-    tokenizer = AutoTokenizer.from_pretrained(run / "hf_model")
-    policy = AutoModelForCausalLM.from_pretrained(run / "hf_model").eval()
-    right = 0
-    for digit in range(10):
-        ids = tokenizer(f"next {digit}", return_tensors="pt").input_ids
-        out = policy.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        right += tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split() == [str((digit + 1) % 10)] * 4
-    assert right >= 9
+    script = Path(__file__).resolve().parents[1] / "scripts" / "model_reward_recipes.py"
+    done = subprocess.run([sys.executable, str(script), "reward-model", "--out", str(tmp_path), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 150 and summary["rewarded_first_tenth"] < 0.2 and summary["rewarded_last_tenth"] >= 0.9
+    assert summary["export_all_right"] >= 0.9
