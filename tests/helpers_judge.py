@@ -8,6 +8,7 @@ it ever had in flight, and replies by what the user message says:
 - ``SLEEP=<s>``: waits ``s`` seconds first; ``GARBAGE``: a reply with no number
 - ``STATUS=<code>``: answers that HTTP status; ``FLAKY``: 503 on the first try of each distinct message
 - ``DIGITS:<text>``: the number of digits in the text (a judge of a real, varying behaviour)
+- ``HUGE``: a 3 MiB reply; ``REDIRECT``: a 307 to ``/v1/elsewhere``, which records the key it gets
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class JudgeServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.seen: set[str] = set()
+        self.redirected_keys: list = []
         self.loop = asyncio.new_event_loop()
         self.url = ""
         self._started = threading.Event()
@@ -48,6 +50,7 @@ class JudgeServer:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/elsewhere", self.elsewhere)
         self.runner = web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -65,6 +68,10 @@ class JudgeServer:
             return web.json_response({"error": "bad key"}, status=401)
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
+    async def elsewhere(self, request: web.Request) -> web.Response:
+        self.redirected_keys.append(request.headers.get("Authorization"))
+        return web.json_response({"choices": [{"message": {"content": "5"}}]})
+
     async def chat(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return web.json_response({"error": "bad key"}, status=401)
@@ -80,6 +87,10 @@ class JudgeServer:
             status = re.search(r"STATUS=(\d+)", text)
             if status:
                 return web.json_response({"error": "scripted"}, status=int(status.group(1)))
+            if "HUGE" in text:
+                return web.json_response({"choices": [{"message": {"content": "7" + " " * (3 << 20)}}]})
+            if "REDIRECT" in text:
+                raise web.HTTPTemporaryRedirect("/v1/elsewhere")
             if "FLAKY" in text and text not in self.seen:
                 self.seen.add(text)
                 return web.json_response({"error": "busy"}, status=503)

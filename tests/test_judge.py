@@ -73,6 +73,14 @@ def test_a_retried_status_recovers_and_a_client_error_is_not_retried(server):
     assert (len(flaky), len(bad)) == (2, 1)
 
 
+def test_a_huge_reply_and_a_redirect_are_failures_and_the_key_goes_nowhere_else(server, capsys):
+    judge = make(server, max_retries=0)
+    assert score(judge, ["HUGE", "REDIRECT", "SCORE=2", "SCORE=3"]) == [None, None, 2.0, 3.0]
+    assert server.redirected_keys == []  # not followed: the key was sent to base_url only
+    err = capsys.readouterr().err
+    assert "bad reply: longer than 1 MiB" in err and "HTTP 307" in err
+
+
 def test_most_of_a_batch_failing_stops_the_run_naming_the_endpoint_whatever_on_reward_error(server):
     composer = RewardComposer([make(server, max_retries=0)], on_error="zero")
     with pytest.raises(RewardUnavailable, match=rf"the LLM judge at {server.url} failed 2 of 3 samples.*HTTP 500"):

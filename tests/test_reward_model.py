@@ -137,7 +137,7 @@ def test_the_worked_examples_of_the_docs_run(doc, section, tmp_path, rm_folder, 
 def test_the_reward_model_recipe_learns_the_task_from_the_reward_models_scores_alone(tmp_path):
     """configs/reward_model_successor.yaml as docs/rewards.md runs it (scripts/model_reward_recipes.py:
     the reward model trained from preference pairs, then `gspo fit` in another folder): the task's
-    own score (weight 0, never trained on) rises from chance to >= 0.9, and the export, loaded with
+    own score (weight 0, never trained on) rises from chance to >= 0.85, and the export, loaded with
     AutoModelForCausalLM, answers next 0-9 outside the trainer."""
     import json
     import subprocess
@@ -149,5 +149,5 @@ def test_the_reward_model_recipe_learns_the_task_from_the_reward_models_scores_a
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 150 and summary["rewarded_first_tenth"] < 0.2 and summary["rewarded_last_tenth"] >= 0.9
-    assert summary["export_all_right"] >= 0.9
+    assert summary["steps"] == 120 and summary["rewarded_first_tenth"] < 0.2 and summary["rewarded_last_tenth"] >= 0.85
+    assert summary["export_all_right"] >= 0.8

@@ -38,6 +38,7 @@ NUMBER = r"-?\d+(?:\.\d+)?"
 # group mode: one "Response <i>: <score>" line per response of the group
 GROUP_PATTERN = r"(?i)response\s*(\d+)\s*[:=-]\s*(" + NUMBER + r")"
 RETRIED_STATUSES = (408, 429, 500, 502, 503, 504)
+MAX_REPLY_BYTES = 1 << 20  # a judge's reply is a few tokens; more is a misconfigured or hostile endpoint
 FIXED_FIELDS = ("prompt", "completion", "completions")
 
 
@@ -271,14 +272,18 @@ class LLMJudge:
                 await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             async with limit:
                 try:
-                    async with session.post(f"{self.base_url}/chat/completions", json=body,
+                    # no redirects: the key goes to base_url and nowhere else
+                    async with session.post(f"{self.base_url}/chat/completions", json=body, allow_redirects=False,
                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as reply:
+                        raw = await _read_bounded(reply.content, MAX_REPLY_BYTES + 1)
                         if reply.status != 200:
-                            reason = f"HTTP {reply.status}: {_clip(await reply.text())!r}"
+                            reason = f"HTTP {reply.status}: {_clip(raw.decode(errors='replace'))!r}"
                             if reply.status in RETRIED_STATUSES:
                                 continue
                             return None, reason
-                        payload = await reply.json(content_type=None)
+                        if len(raw) > MAX_REPLY_BYTES:
+                            return None, f"bad reply: longer than {MAX_REPLY_BYTES >> 20} MiB"
+                        payload = json.loads(raw)
                 except asyncio.TimeoutError:
                     reason = f"timeout: no reply within timeout_s={self.timeout_s:g}"
                     continue
@@ -292,6 +297,17 @@ class LLMJudge:
             except (KeyError, IndexError, TypeError):
                 return None, f"bad reply: no choices[0].message.content in {_clip(json.dumps(payload))!r}"
         return None, f"{reason} ({self.max_retries + 1} tries)"
+
+
+async def _read_bounded(stream, limit: int) -> bytes:
+    """The body, or its first ``limit`` bytes when it is longer (the rest is never read)."""
+    chunks, size = [], 0
+    async for chunk in stream.iter_chunked(1 << 16):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]
 
 
 def _groups(prompts: list) -> list[list[int]]:
