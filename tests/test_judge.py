@@ -58,11 +58,11 @@ def test_timeouts_and_garbage_are_counted_nones_within_the_time_bound(server, ca
     elapsed = time.perf_counter() - start
     assert got == [None, None, 3.0, 4.0, 5.0]
     assert elapsed < 2 * 0.3 + 0.5 + 1.0  # two tries of 0.3 s, the 0.5 s back-off, slack: never the 3 s
-    assert judge.pop_failures() == 2 and judge.pop_failures() == 0
+    assert judge.pop_failures().count == 2 and judge.pop_failures().count == 0
     err = capsys.readouterr().err
     assert "timeout: no reply within timeout_s=0.3 (2 tries)" in err and "no score: none in the reply" in err
     score(judge, ["GARBAGE", "SCORE=1", "SCORE=1"])  # a kind already printed is only counted
-    assert capsys.readouterr().err == "" and judge.pop_failures() == 1
+    assert capsys.readouterr().err == "" and judge.pop_failures().count == 1
 
 
 def test_a_retried_status_recovers_and_a_client_error_is_not_retried(server):
@@ -83,8 +83,12 @@ def test_a_huge_reply_and_a_redirect_are_failures_and_the_key_goes_nowhere_else(
 
 def test_most_of_a_batch_failing_stops_the_run_naming_the_endpoint_whatever_on_reward_error(server):
     composer = RewardComposer([make(server, max_retries=0)], on_error="zero")
-    with pytest.raises(RewardUnavailable, match=rf"the LLM judge at {server.url} failed 2 of 3 samples.*HTTP 500"):
-        composer(prompts=["p"] * 3, completions=["STATUS=500", "STATUS=500", "SCORE=1"], completion_ids=None, columns={})
+    total, _, scored = composer(prompts=["p"] * 3, completions=["STATUS=500", "STATUS=500", "SCORE=1"],
+                                completion_ids=None, columns={})
+    assert scored == [False, False, True]  # unscored, not zeroed
+    with pytest.raises(RewardUnavailable, match=rf"'LLMJudge' \(LLM judge at {server.url}\) left 2 of 3 samples "
+                                                rf"unscored \(the last: HTTP 500"):
+        composer.pop_failure_counts(3)  # the rollout's check, after its last group
 
 
 def test_failures_reach_the_composers_counts_and_unscored_samples_are_not_zeros(server):
@@ -95,8 +99,8 @@ def test_failures_reach_the_composers_counts_and_unscored_samples_are_not_zeros(
                                     completion_ids=None, columns={})
     assert total == [1.5, 0.5, 0.5] and scored == [True, True, True]
     assert parts["judge"][0] == 1.0 and parts["judge"][1] != parts["judge"][1]  # NaN: unscored, not 0
-    assert composer.pop_failure_counts() == {"reward/judge/failed": 1.0}
-    assert composer.pop_failure_counts() == {"reward/judge/failed": 0.0}
+    assert composer.pop_failure_counts(3) == {"reward/judge/failed": 1.0}
+    assert composer.pop_failure_counts(3) == {"reward/judge/failed": 0.0}
 
 
 def test_group_mode_sends_each_group_once_and_reads_one_score_per_response(server):

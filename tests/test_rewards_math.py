@@ -339,7 +339,7 @@ def test_unscorable_samples_are_counted_and_each_kind_printed_once(monkeypatch, 
 
     math_accuracy.pop_failures()
     assert math_accuracy(["p"] * 3, ["#### 1", "#### 2", "#### 3"], ["1", "", None]) == [1.0, None, None]
-    assert math_accuracy.pop_failures() == 2 and math_accuracy.pop_failures() == 0
+    assert math_accuracy.pop_failures().count == 2 and math_accuracy.pop_failures().count == 0
     assert capsys.readouterr().err.count("holds no answer to compare with; fix the row") <= 1  # once per process
 
     def broken(*args, **kwargs):
@@ -348,9 +348,9 @@ def test_unscorable_samples_are_counted_and_each_kind_printed_once(monkeypatch, 
     pytest.importorskip("math_verify")
     monkeypatch.setattr("math_verify.verify", broken)
     got = math_accuracy(["p"] * 2, ["\\boxed{\\frac{1}{\\sqrt{2}}}", "#### 5"], ["\\frac{\\sqrt{2}}{2}", "5"])
-    assert got == [None, 1.0] and math_accuracy.pop_failures() == 1
+    assert got == [None, 1.0] and math_accuracy.pop_failures().count == 1
     assert "math-verify could not compare" in capsys.readouterr().err
-    assert math_rewards.FAILURES.pop() == 0
+    assert math_rewards.FAILURES.pop().count == 0
 
 
 def test_without_math_verify_numeric_comparison_still_works(monkeypatch):

@@ -38,7 +38,7 @@ import math
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 from gspo_lightning._imports import import_callable
 from gspo_lightning.errors import ConfigError
@@ -76,32 +76,43 @@ class RewardUnavailable(RewardError):
     ``on_reward_error`` says (scoring the batch 0 would train on noise)."""
 
 
+class Failures(NamedTuple):
+    """What :meth:`FailureCounts.pop` returns: samples unscored since the last pop, by whom, the last reason."""
+
+    count: int
+    who: str
+    last: Optional[str]
+
+
 class FailureCounts:
     """The samples a reward function left unscored (``None``) because scoring failed, for
     ``reward/<name>/failed``; the first failure of each kind is printed once, with its reason.
 
     A function exposes ``pop_failures = counts.pop`` (the composer reads it after every
-    batch). Thread-safe: an asynchronous producer scores on its own thread."""
+    rollout). Thread-safe: an asynchronous producer scores on its own thread."""
 
     def __init__(self, who: str):
         self.who = who
         self._count = 0
+        self._last: Optional[str] = None
         self._kinds: set[str] = set()
         self._lock = threading.Lock()
 
     def add(self, kind: str, reason: str) -> None:
         with self._lock:
             self._count += 1
+            self._last = reason
             first = kind not in self._kinds
             self._kinds.add(kind)
         if first:
             print(f"{self.who}: a sample left unscored ({reason}); such failures are counted in "
                   f"reward/<name>/failed and not printed again", file=sys.stderr)
 
-    def pop(self) -> int:
+    def pop(self) -> Failures:
         with self._lock:
-            count, self._count = self._count, 0
-        return count
+            popped = Failures(self._count, self.who, self._last)
+            self._count, self._last = 0, None
+        return popped
 
 
 def import_function(path: str) -> Callable:
@@ -174,12 +185,22 @@ class RewardComposer:
     def names(self) -> list[str]:
         return [name for name, _, _ in self.functions]
 
-    def pop_failure_counts(self) -> dict[str, float]:
+    def pop_failure_counts(self, samples: int) -> dict[str, float]:
         """``reward/<name>/failed``: the samples each counting function (one with
-        ``pop_failures()``: the judge, the reward model) left unscored since the last call; every
-        such function every time, 0 included, so each rank logs the same names."""
-        return {f"reward/{name}/failed": float(fn.pop_failures()) for name, _, fn in self.functions
-                if callable(getattr(fn, "pop_failures", None))}
+        ``pop_failures()``: the judge, ``math_accuracy``) left unscored since the last call, out of
+        a rollout's ``samples``; every such function every time, 0 included, so each rank logs
+        the same names. More than half unscored raises :class:`RewardUnavailable` (a judge that
+        is down, a dataset without answers): the run stops, whatever ``on_reward_error`` says."""
+        counts = {}
+        for name, _, fn in self.functions:
+            if not callable(getattr(fn, "pop_failures", None)):
+                continue
+            failures = fn.pop_failures()
+            if samples and failures.count * 2 > samples:
+                raise RewardUnavailable(f"reward function {name!r} ({failures.who}) left {failures.count} of {samples} "
+                                        f"samples unscored (the last: {failures.last})")
+            counts[f"reward/{name}/failed"] = float(failures.count)
+        return counts
 
     def __call__(
         self,
@@ -197,6 +218,51 @@ class RewardComposer:
         (average those with a NaN-aware mean); ``scored[i]`` is False where no function
         scored sample ``i``.
         """
+        kwargs = self._arguments(prompts, completions, completion_ids, columns)
+        raw: dict[str, Any] = {}
+        pending = []
+        for name, _, fn in self.functions:
+            if is_async_callable(fn):
+                pending.append(name)
+                raw[name] = fn(**kwargs)  # a coroutine, awaited below with the others
+                continue
+            try:
+                raw[name] = fn(**kwargs)
+            except Exception as err:  # noqa: BLE001 - any failure of user code is reported the same way
+                raw[name] = err
+        if pending:
+            for name, result in zip(pending, _run_coroutines([raw[name] for name in pending])):
+                raw[name] = result
+        return self._combine(raw, prompts, completions)
+
+    async def score_async(
+        self,
+        *,
+        prompts: list,
+        completions: list,
+        completion_ids: Optional[list[list[int]]] = None,
+        columns: Optional[dict[str, list]] = None,
+    ) -> tuple[list[float], dict[str, list[float]], list[bool]]:
+        """:meth:`__call__` on the running event loop: ``async def`` functions awaited on it (so
+        several batches scored at once share one judge's ``max_concurrency``), plain functions
+        in its thread pool."""
+        kwargs = self._arguments(prompts, completions, completion_ids, columns)
+        loop = asyncio.get_running_loop()
+
+        async def one(fn):
+            try:
+                if is_async_callable(fn):
+                    return await fn(**kwargs)
+                return await loop.run_in_executor(None, functools.partial(fn, **kwargs))
+            except Exception as err:  # noqa: BLE001 - any failure of user code is reported the same way
+                return err
+
+        results = await asyncio.gather(*(one(fn) for _, _, fn in self.functions))
+        return self._combine(dict(zip(self.names, results)), prompts, completions)
+
+    def _arguments(self, prompts: list, completions: list, completion_ids: Optional[list[list[int]]],
+                   columns: Optional[dict[str, list]]) -> dict[str, Any]:
+        """The keyword arguments every function gets, checked (one entry per completion)."""
         n = len(completions)
         columns = dict(columns or {})
         clash = [key for key in RESERVED if key in columns]
@@ -213,23 +279,12 @@ class RewardComposer:
             passed = [[{"role": "assistant", "content": text}] for text in completions]
         else:
             passed = list(completions)
-        kwargs = {"prompts": prompts, "completions": passed, "completion_ids": completion_ids, **columns}
+        return {"prompts": prompts, "completions": passed, "completion_ids": completion_ids, **columns}
 
-        raw: dict[str, Any] = {}
-        pending = []
-        for name, _, fn in self.functions:
-            if is_async_callable(fn):
-                pending.append(name)
-                raw[name] = fn(**kwargs)  # a coroutine, awaited below with the others
-                continue
-            try:
-                raw[name] = fn(**kwargs)
-            except Exception as err:  # noqa: BLE001 - any failure of user code is reported the same way
-                raw[name] = err
-        if pending:
-            for name, result in zip(pending, _run_coroutines([raw[name] for name in pending])):
-                raw[name] = result
-
+    def _combine(self, raw: dict[str, Any], prompts: list, completions: list
+                 ) -> tuple[list[float], dict[str, list[float]], list[bool]]:
+        """Each function's checked scores, and their weighted sum per sample."""
+        n = len(completions)
         total = [0.0] * n
         scored = [False] * n
         per_function = {}

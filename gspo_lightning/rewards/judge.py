@@ -17,7 +17,8 @@ Each completion is one request (``group: true``: one request per group, the judg
 response of it, as RULER does). A reply the pattern does not find a score in, or a request that
 still fails after its retries, gives ``None`` (the sample unscored, not 0), counted in
 ``reward/<name>/failed`` and printed once per kind of failure; more than half of a batch failing
-stops the run with a checkpoint and one line naming the endpoint.
+stops the run with a checkpoint and one line naming the endpoint (the rollout's check, in
+``RewardComposer.pop_failure_counts``: a step scored group by group counts its whole batch).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import urllib.request
 from typing import Any, Optional, Sequence
 
 from gspo_lightning.errors import ConfigError
-from gspo_lightning.rewards.base import FailureCounts, RewardUnavailable, is_conversational
+from gspo_lightning.rewards.base import FailureCounts, is_conversational
 
 NUMBER = r"-?\d+(?:\.\d+)?"
 # group mode: one "Response <i>: <score>" line per response of the group
@@ -140,6 +141,7 @@ class LLMJudge:
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.group = group
+        self._limit_loop = self._loop_limit = None  # the event loop the max_concurrency bound is for
         self.failures = FailureCounts(f"LLM judge at {self.base_url}")
         self.pop_failures = self.failures.pop  # reward/<name>/failed: samples unscored since the last call
         self._columns_checked = False
@@ -188,7 +190,7 @@ class LLMJudge:
             self.check_columns([key for key in columns if key != "completion_ids"])
             self._columns_checked = True
         n = len(completions)
-        limit = asyncio.Semaphore(self.max_concurrency)
+        limit = self._limit()
         import aiohttp
 
         connector = aiohttp.TCPConnector(limit=self.max_concurrency)
@@ -207,13 +209,18 @@ class LLMJudge:
                                                   for i in range(n)))
                 scores = [score for score, _ in results]
                 reasons = [reason for _, reason in results]
-        failed = [reason for score, reason in zip(scores, reasons) if score is None]
-        for reason in failed:
-            self.failures.add(reason.split(": ")[0], reason)  # kinds: timeout, HTTP 503, connection, no score, ...
-        if n and len(failed) * 2 > n:
-            raise RewardUnavailable(f"the LLM judge at {self.base_url} failed {len(failed)} of {n} samples "
-                                    f"(the last: {failed[-1]}); check the judge's server")
+        for score, reason in zip(scores, reasons):
+            if score is None:  # counted; the rollout's majority check (RewardComposer.pop_failure_counts) stops a run
+                self.failures.add(reason.split(": ")[0], reason)  # kinds: timeout, HTTP 503, connection, no score, ...
         return scores
+
+    def _limit(self) -> asyncio.Semaphore:
+        """The ``max_concurrency`` bound of the running event loop: one for every batch scored on
+        it at once (the groups of a step scored as they finish share it)."""
+        loop = asyncio.get_running_loop()
+        if self._limit_loop is not loop:
+            self._limit_loop, self._loop_limit = loop, asyncio.Semaphore(self.max_concurrency)
+        return self._loop_limit
 
     def _fields(self, prompts: list, columns: dict, i: int) -> dict[str, Any]:
         values = {key: columns[key][i] for key in self.fields if key in columns}

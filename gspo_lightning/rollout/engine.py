@@ -161,6 +161,9 @@ class RolloutEngine(ABC):
     #: the base model's names; a LoRA policy's merged) or ``adapter`` (a LoRA policy's
     #: ``lora_A`` / ``lora_B`` alone, PEFT names: ``weight_sync.iter_adapter_weights``)
     weights_format: str = "full"
+    #: True when :meth:`generate` takes ``on_group`` and calls it as each group's responses end
+    #: (its scoring then starts while the rest generate: ``rollout/scoring.py``)
+    reports_groups: bool = False
 
     def __init__(self) -> None:
         self.weights_version = -1  # the policy version whose weights the engine holds

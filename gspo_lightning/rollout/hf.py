@@ -73,6 +73,7 @@ class HFEngine(RolloutEngine):
     """
 
     shares_policy_weights = True  # the same module object as the policy: always current
+    reports_groups = True  # generate(on_group=...): each group as its last response ends
 
     def __init__(self, generation_batch_size: Optional[int] = None):
         super().__init__()
@@ -93,7 +94,11 @@ class HFEngine(RolloutEngine):
         # sharded weights are gathered in every forward: all ranks must take as many decode steps
         self.all_finished = spec.lockstep
 
-    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
+    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int,
+                 on_group: Optional[GroupDone] = None) -> Generation:
+        """``n`` responses to each prompt; ``on_group(index, completions)`` is called as each group's
+        responses have all ended (their token ids up to and including the end token), while the
+        others still generate: their scoring can start (``rollout/scoring.py``)."""
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ConfigError("every prompt needs at least one token")
         device = next(self.model.parameters()).device
@@ -102,7 +107,8 @@ class HFEngine(RolloutEngine):
         per_chunk = max(1, (self.generation_batch_size or self._responses_in_budget(prompt_ids, params)) // n)
         # FSDP2: gather the weights once for the whole call, not in every decoded token's forward
         with gathered(self.model) as sharded:
-            parts = [self._sample_groups(prompt_ids[i:i + per_chunk], n, params, generator, device, lockstep=not sharded)
+            parts = [self._sample_groups(prompt_ids[i:i + per_chunk], n, params, generator, device, lockstep=not sharded,
+                                         on_group=None if on_group is None else _offset(on_group, i))
                      for i in range(0, len(prompt_ids), per_chunk)]
         return _concat(parts, self.pad_token_id)
 
@@ -116,16 +122,17 @@ class HFEngine(RolloutEngine):
         return KV_CACHE_BUDGET_BYTES // (per_token * (max(len(p) for p in prompt_ids) + params.max_new_tokens))
 
     def _sample_groups(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator, device,
-                       lockstep: bool = True) -> Generation:
+                       lockstep: bool = True, on_group: Optional[GroupDone] = None) -> Generation:
         """``n`` samples of each prompt. The prompt is prefilled once and its KV cache copied to
         the ``n`` samples, instead of prefilling every prompt ``n`` times."""
         with _grad_free_mode(self.model, sharded=self.all_finished is not None):
-            out = self._sample_groups_grad_free(prompts, n, params, generator, device, lockstep)
+            out = self._sample_groups_grad_free(prompts, n, params, generator, device, lockstep, on_group)
         # ordinary tensors again: the trainer saves the tokens for backward and edits results in place
         return Generation(*(t.clone() for t in (out.completion_ids, out.logprobs, out.lengths, out.truncated)))
 
     def _sample_groups_grad_free(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                               generator: torch.Generator, device, lockstep: bool = True) -> Generation:
+                               generator: torch.Generator, device, lockstep: bool = True,
+                               on_group: Optional[GroupDone] = None) -> Generation:
         model = self.model
         was_training = model.training
         model.eval()
@@ -147,6 +154,7 @@ class HFEngine(RolloutEngine):
             finished = torch.zeros(rows, dtype=torch.bool, device=device)
             pad = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=device)
             width = 0
+            groups = _GroupWatch(on_group, n, eos) if on_group is not None else None
             for step in range(params.max_new_tokens):
                 token, token_logprob = _sample_step(logits, params, generator)
                 token = torch.where(finished, pad, token)
@@ -156,6 +164,8 @@ class HFEngine(RolloutEngine):
                 PHASES.tokens(width, params.max_new_tokens)  # the progress display's "token 12/32"
                 stop.check()  # SIGTERM / Ctrl-C: this step's samples would be thrown away
                 finished |= torch.isin(token, eos)
+                if groups is not None:
+                    groups.report(finished, completion_ids[:, :width])
                 if step == feeds:
                     break
                 done = bool(finished.all())
@@ -165,6 +175,8 @@ class HFEngine(RolloutEngine):
                     break
                 logits = decoder.step(token)
             completion_ids, token_logprobs = completion_ids[:, :width], token_logprobs[:, :width]
+            if groups is not None:  # the groups cut by the token budget
+                groups.report(torch.ones_like(finished), completion_ids)
             is_eos = torch.isin(completion_ids, eos)
             has_eos = is_eos.any(-1)
             first_eos = is_eos.float().argmax(-1)
@@ -262,6 +274,37 @@ def _uniform_below(total: Tensor, generator: torch.Generator) -> Tensor:
     """One float64 draw per row, uniform in ``[0, total)`` (strictly below, even after rounding)."""
     u = torch.rand(total.shape, generator=generator, device=total.device, dtype=torch.float64) * total
     return torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+
+
+# on_group(index of the group in the call, each response's token ids up to its end token)
+GroupDone = Callable[[int, list[list[int]]], None]
+
+
+def _offset(on_group: GroupDone, first: int) -> GroupDone:
+    """``on_group`` for a chunk of the call's prompts starting at prompt ``first``."""
+    return lambda index, completions: on_group(first + index, completions)
+
+
+class _GroupWatch:
+    """Reports each group once, when every one of its responses has ended."""
+
+    def __init__(self, on_group: GroupDone, n: int, eos: Tensor):
+        self.on_group, self.n, self.eos = on_group, n, eos
+        self.reported: Optional[Tensor] = None
+
+    def report(self, finished: Tensor, completion_ids: Tensor) -> None:
+        done = finished.view(-1, self.n).all(-1)
+        if self.reported is None:
+            self.reported = torch.zeros_like(done)
+        new = (done & ~self.reported).nonzero().flatten().tolist()
+        if not new:
+            return
+        self.reported[new] = True
+        for group in new:
+            rows = completion_ids[group * self.n:(group + 1) * self.n]
+            is_eos = torch.isin(rows, self.eos)
+            ends = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, rows.shape[1]).tolist()
+            self.on_group(group, [row[:end] for row, end in zip(rows.tolist(), ends)])
 
 
 def _concat(parts: list[Generation], pad_id: int) -> Generation:

@@ -25,6 +25,9 @@ class RolloutSettings:
         top_k: top-k sampling (0: off); log-probs use the same filtered distribution.
         rollout_seed: base seed of sampling (``null``: the run's ``seed_everything`` seed).
         on_reward_error: ``raise`` stops on a failing reward function; ``zero`` scores 0 and counts.
+        score_while_generating: start ``async def`` reward functions (an LLM judge) on each group
+            as its responses end, while the others still generate (``HFEngine``); the same scores,
+            sooner. ``false``: every reward function after the step's generation.
         dynamic_sampling: DAPO's dynamic sampling: generate more rounds of prompts until the step
             holds ``rollout_batch_size`` groups whose rewards differ (``rollout/dynamic_sampling.py``).
         max_sampling_rounds: extra generation rounds per step at most; when they run out the
@@ -40,6 +43,7 @@ class RolloutSettings:
     top_k: int = 0
     rollout_seed: Optional[int] = None
     on_reward_error: OnRewardError = "raise"
+    score_while_generating: bool = True
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
     prompt_length: Optional[int] = None

@@ -18,6 +18,7 @@ from torch import Tensor
 from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.rewards.base import RewardComposer
+from gspo_lightning.rollout.scoring import GroupScorer, RewardLoop, streams
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, WeightsSource
 from gspo_lightning.rollout.episodes import run_episodes
 from gspo_lightning.rollout.hf import left_pad
@@ -108,6 +109,9 @@ class RolloutWorker:
         transport: how weights reach the engine (in this process by default: every engine the
             worker drives lives here; a rollout server's client engine has its own transport).
         episodes: multi-turn episodes with an environment (``None``: one completion per sample).
+        score_while_generating: start ``async def`` reward functions (a judge) on each group as
+            its responses end, while the rest generate (engines that report groups: ``HFEngine``);
+            the scores are the same either way.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class RolloutWorker:
         eval_group_size: int,
         transport: Optional[WeightTransport] = None,
         episodes: Optional[MultiTurn] = None,
+        score_while_generating: bool = True,
     ):
         self.engine = engine
         self.episodes = episodes
@@ -133,6 +138,8 @@ class RolloutWorker:
         self.eval_group_size = eval_group_size
         self.transport = transport or InProcessTransport()
         self.agents = None  # the agent endpoint and the agents (episodes.agent), built at start
+        self.score_while_generating = score_while_generating
+        self.reward_loop: Optional[RewardLoop] = None  # started by the first rollout scored group by group
         self.started = False
 
     def start(self, spec: EngineSpec) -> None:
@@ -197,23 +204,48 @@ class RolloutWorker:
         params = self.eval_params if evaluation else self.train_params
         timings = {}
 
+        raw_prompts = batch.get("prompts", batch["prompt_text"])
+        # async reward functions (a judge) start on each group as it ends, while the rest generate
+        groups = self._group_scorer(raw_prompts, batch["columns"], group_size) if self.stream_scoring else None
         start = time.perf_counter()
         self.engine.wake()
-        generation = self.engine.generate(batch["prompt_ids"], group_size, params, seed)
+        try:
+            generation = self.engine.generate(batch["prompt_ids"], group_size, params, seed,
+                                              **({"on_group": groups.submit} if groups is not None else {}))
+        except BaseException:
+            if groups is not None:
+                groups.cancel()
+            raise
         self.engine.sleep()
         timings["time/generate"] = time.perf_counter() - start
 
         start = time.perf_counter()
         lengths = generation.lengths.tolist()
         completion_ids = [row[:n] for row, n in zip(generation.completion_ids.tolist(), lengths)]
-        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        raw_prompts = batch.get("prompts", batch["prompt_text"])
         prompts = [p for p in raw_prompts for _ in range(group_size)]
-        scores = self._score(prompts, completions, completion_ids, batch, group_size, lengths)
+        if groups is not None:  # what is left: the groups that ended last
+            total, components, scored, completions = groups.results()
+            errors = sum(self.rewards.error_counts.values()) - groups.errors_before
+            scores = (total, components, scored, errors)
+        else:
+            completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            scores = self._score(prompts, completions, completion_ids, batch, group_size, lengths)
         timings["time/score"] = time.perf_counter() - start
 
         tensors = build_rollout_tensors(batch["prompt_ids"], generation, group_size, self.tokenizer.pad_token_id, device)
         return self._rollout(tensors, generation, scores, group_size, prompts, completions, timings, device)
+
+    @property
+    def stream_scoring(self) -> bool:
+        """Whether groups are scored as they end (an engine that reports them, a reward that waits)."""
+        return self.score_while_generating and self.engine.reports_groups and streams(self.rewards)
+
+    def _group_scorer(self, raw_prompts: list, columns: dict, group_size: int) -> GroupScorer:
+        if self.reward_loop is None:
+            self.reward_loop = RewardLoop()
+        decode = lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True)  # noqa: E731
+        return GroupScorer(self.rewards, self.reward_loop, decode, list(raw_prompts), columns, group_size,
+                           errors_before=sum(self.rewards.error_counts.values()))
 
     def _score(self, prompts: list, completions: list, completion_ids: list[list[int]], batch: dict, group_size: int,
                completion_lengths: list[int]) -> tuple[list, dict, Optional[list], int]:
@@ -241,7 +273,7 @@ class RolloutWorker:
             scored=None if scored_rows is None else torch.tensor(scored_rows, dtype=torch.bool, device=device),
             timings=timings,
             reward_errors=errors,
-            reward_stats=self.rewards.pop_failure_counts() if self.rewards is not None else {},
+            reward_stats=self.rewards.pop_failure_counts(len(completions)) if self.rewards is not None else {},
             **episode_fields,
         )
 
@@ -320,6 +352,9 @@ class RolloutWorker:
         return total, components, scored, errors
 
     def close(self) -> None:
+        if self.reward_loop is not None:
+            self.reward_loop.close()
+            self.reward_loop = None
         if self.started:
             if self.agents is not None:
                 self.agents.close()

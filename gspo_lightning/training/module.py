@@ -161,7 +161,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             engine if engine is not None else HFEngine(), composer, self.tokenizer,
             train_params=r.params, group_size=r.num_return_sequences_in_group,
             eval_params=r.eval_params(cfg.evaluation.val_temperature), eval_group_size=cfg.evaluation.val_num_samples,
-            episodes=episodes,
+            episodes=episodes, score_while_generating=r.score_while_generating,
         )
         self.episodes = check_episode_objective(episodes, cfg.objective.importance_sampling, cfg.advantages.adv_estimator)
         self.policy = None
