@@ -30,6 +30,7 @@ class JudgeServer:
         self.max_in_flight = 0
         self.seen: set[str] = set()
         self.redirected_keys: list = []
+        self.client_ports: set[int] = set()  # one per TCP connection the judge opened
         self.loop = asyncio.new_event_loop()
         self.url = ""
         self._started = threading.Event()
@@ -44,6 +45,7 @@ class JudgeServer:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        self.loop.close()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -77,6 +79,7 @@ class JudgeServer:
             return web.json_response({"error": "bad key"}, status=401)
         body = await request.json()
         self.requests.append(body)
+        self.client_ports.add(request.transport.get_extra_info("peername")[1])
         text = body["messages"][-1]["content"]
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)

@@ -1,10 +1,8 @@
 """Scoring groups as they end, while the others still generate (rollout/scoring.py)."""
 
 import asyncio
-import time
 
 import pytest
-import torch
 
 from gspo_lightning.rewards import LLMJudge, RewardComposer
 from gspo_lightning.rollout.engine import SamplingParams
@@ -69,20 +67,25 @@ def test_group_by_group_scoring_gives_the_batch_scores(tiny_echo):
     assert (total, components, scored) == expected and completions == decode(completion_ids)
 
 
-def test_groups_scored_at_once_share_the_judges_max_concurrency(monkeypatch):
+def test_groups_scored_at_once_share_the_judges_max_concurrency_and_its_connections(monkeypatch):
     with JudgeServer() as server:
         monkeypatch.setenv("JUDGE_KEY", server.key)
         judge = LLMJudge(server.url, "judge", "{completion}", api_key_env="JUDGE_KEY", max_concurrency=3)
         composer = RewardComposer([judge])
         loop = RewardLoop()
         try:
-            scorer = GroupScorer(composer, loop, lambda ids: ["SLEEP=0.1 SCORE=1"] * len(ids), ["p"] * 4, {}, group_size=4)
-            for group in range(4):
-                scorer.submit(group, [[1]] * 4)
-            total, _, _, _ = scorer.results()
+            for _ in range(2):  # two steps on the worker's loop: the judge's connections are kept
+                scorer = GroupScorer(composer, loop, lambda ids: ["SLEEP=0.1 SCORE=1"] * len(ids), ["p"] * 4, {},
+                                     group_size=4)
+                for group in range(4):
+                    scorer.submit(group, [[1]] * 4)
+                total, _, _, _ = scorer.results()
+                assert total == [1.0] * 16
         finally:
             loop.close()
-    assert total == [1.0] * 16 and server.max_in_flight == 3
+    assert server.max_in_flight == 3 and len(server.requests) == 32
+    assert len(server.client_ports) <= 3  # 32 requests over the 3 connections the cap allows, none opened again
+    assert judge._session.closed  # closed with the loop
 
 
 def test_a_step_with_a_waiting_reward_scores_the_same_either_way(tmp_path):

@@ -37,8 +37,9 @@ import inspect
 import math
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Awaitable, Callable, NamedTuple, Optional, Union
 
 from gspo_lightning._imports import import_callable
 from gspo_lightning.errors import ConfigError
@@ -113,6 +114,32 @@ class FailureCounts:
             popped = Failures(self._count, self.who, self._last)
             self._count, self._last = 0, None
         return popped
+
+
+# Event loops that outlive one batch (the rollout worker's reward loop, rollout/scoring.py), and
+# what to close with them: a judge keeps its HTTP connections open on such a loop from step to
+# step instead of opening them again for every group
+_LONG_LIVED_LOOPS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Callable[[], Awaitable]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def mark_long_lived(loop: asyncio.AbstractEventLoop) -> None:
+    _LONG_LIVED_LOOPS[loop] = []
+
+
+def is_long_lived(loop: asyncio.AbstractEventLoop) -> bool:
+    return loop in _LONG_LIVED_LOOPS
+
+
+def close_with(loop: asyncio.AbstractEventLoop, closer: Callable[[], Awaitable]) -> None:
+    """Await ``closer()`` on ``loop`` when its owner closes it (:func:`close_long_lived`)."""
+    _LONG_LIVED_LOOPS[loop].append(closer)
+
+
+async def close_long_lived() -> None:
+    """Close what was registered on the running loop (called on it by its owner, before it stops)."""
+    for closer in _LONG_LIVED_LOOPS.pop(asyncio.get_running_loop(), []):
+        await closer()
 
 
 def import_function(path: str) -> Callable:

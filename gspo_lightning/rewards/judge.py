@@ -33,7 +33,7 @@ import urllib.request
 from typing import Any, Optional, Sequence
 
 from gspo_lightning.errors import ConfigError
-from gspo_lightning.rewards.base import FailureCounts, is_conversational
+from gspo_lightning.rewards.base import FailureCounts, close_with, is_conversational, is_long_lived
 
 NUMBER = r"-?\d+(?:\.\d+)?"
 # group mode: one "Response <i>: <score>" line per response of the group
@@ -142,6 +142,7 @@ class LLMJudge:
         self.max_retries = int(max_retries)
         self.group = group
         self._limit_loop = self._loop_limit = None  # the event loop the max_concurrency bound is for
+        self._session_loop = self._session = None  # a long-lived loop's session (rewards/base.py: is_long_lived)
         self.failures = FailureCounts(f"LLM judge at {self.base_url}")
         self.pop_failures = self.failures.pop  # reward/<name>/failed: samples unscored since the last call
         self._columns_checked = False
@@ -191,28 +192,47 @@ class LLMJudge:
             self._columns_checked = True
         n = len(completions)
         limit = self._limit()
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
-        async with aiohttp.ClientSession(connector=connector, headers=self._headers()) as session:
-            if self.group:
-                groups = _groups(prompts)
-                replies = await asyncio.gather(*(self._judge_group(session, limit, prompts, completions, columns, rows)
-                                                 for rows in groups))
-                scores: list[Optional[float]] = [None] * n
-                reasons: list[Optional[str]] = [None] * n
-                for rows, (group_scores, reason) in zip(groups, replies):
-                    for i, score in zip(rows, group_scores):
-                        scores[i], reasons[i] = score, reason
-            else:
-                results = await asyncio.gather(*(self._judge_one(session, limit, prompts, completions, columns, i)
-                                                  for i in range(n)))
-                scores = [score for score, _ in results]
-                reasons = [reason for _, reason in results]
+        loop = asyncio.get_running_loop()
+        if is_long_lived(loop):  # the worker's reward loop: one session, its connections kept from call to call
+            scores, reasons = await self._score_all(self._loop_session(loop), limit, prompts, completions, columns)
+        else:  # a loop of this call alone (asyncio.run): a session of its own, closed with it
+            async with self._new_session() as session:
+                scores, reasons = await self._score_all(session, limit, prompts, completions, columns)
         for score, reason in zip(scores, reasons):
             if score is None:  # counted; the rollout's majority check (RewardComposer.pop_failure_counts) stops a run
                 self.failures.add(reason.split(": ")[0], reason)  # kinds: timeout, HTTP 503, connection, no score, ...
         return scores
+
+    def _new_session(self):
+        import aiohttp
+
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_concurrency), headers=self._headers())
+
+    def _loop_session(self, loop):
+        if self._session_loop is not loop or self._session.closed:
+            self._session_loop, self._session = loop, self._new_session()
+            close_with(loop, self._session.close)
+        return self._session
+
+    async def _score_all(self, session, limit, prompts: list, completions: list, columns: dict
+                         ) -> tuple[list[Optional[float]], list[Optional[str]]]:
+        """Every sample's score (``None`` where it failed) and the reason of each failure."""
+        n = len(completions)
+        if self.group:
+            groups = _groups(prompts)
+            replies = await asyncio.gather(*(self._judge_group(session, limit, prompts, completions, columns, rows)
+                                             for rows in groups))
+            scores: list[Optional[float]] = [None] * n
+            reasons: list[Optional[str]] = [None] * n
+            for rows, (group_scores, reason) in zip(groups, replies):
+                for i, score in zip(rows, group_scores):
+                    scores[i], reasons[i] = score, reason
+        else:
+            results = await asyncio.gather(*(self._judge_one(session, limit, prompts, completions, columns, i)
+                                              for i in range(n)))
+            scores = [score for score, _ in results]
+            reasons = [reason for _, reason in results]
+        return scores, reasons
 
     def _limit(self) -> asyncio.Semaphore:
         """The ``max_concurrency`` bound of the running event loop: one for every batch scored on

@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from gspo_lightning.rewards.base import RewardComposer, is_async_callable
+from gspo_lightning.rewards.base import RewardComposer, close_long_lived, is_async_callable, mark_long_lived
 
 
 def streams(rewards: Optional[RewardComposer]) -> bool:
@@ -31,6 +31,7 @@ class RewardLoop:
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
+        mark_long_lived(self.loop)  # a judge keeps its connections on it from step to step
         self.thread = threading.Thread(target=self.loop.run_forever, name="gspo-reward-loop", daemon=True)
         self.thread.start()
 
@@ -39,6 +40,10 @@ class RewardLoop:
 
     def close(self) -> None:
         if self.loop.is_running():
+            try:  # the judges' sessions, closed on their loop
+                self.submit(close_long_lived()).result(timeout=5)
+            except Exception:  # noqa: BLE001 - closing: a session that will not close is dropped with the loop
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
         if not self.loop.is_running():

@@ -18,10 +18,10 @@ from torch import Tensor
 from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.rewards.base import RewardComposer
-from gspo_lightning.rollout.scoring import GroupScorer, RewardLoop, streams
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, WeightsSource
 from gspo_lightning.rollout.episodes import run_episodes
 from gspo_lightning.rollout.hf import left_pad
+from gspo_lightning.rollout.scoring import GroupScorer, RewardLoop, streams
 from gspo_lightning.rollout.transport import InProcessTransport, WeightTransport
 
 
