@@ -102,3 +102,18 @@ def test_a_step_with_a_waiting_reward_scores_the_same_either_way(tmp_path):
         assert module.worker.stream_scoring is stream
         logged[stream] = {k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith(("reward/", "loss/"))}
     assert logged[True] == logged[False] and "reward/slow_length" in logged[True]
+
+
+def test_an_engine_whose_generate_takes_no_on_group_is_scored_after_its_generation(tiny_echo):
+    """A subclass that overrides generate with the base signature (a user's engine): no group
+    reports are asked of it; an async reward is scored after the generation, as before."""
+    from gspo_lightning.rollout.hf import HFEngine
+    from gspo_lightning.rollout.scoring import streams
+
+    class OwnEngine(HFEngine):
+        def generate(self, prompt_ids, n, params, seed):
+            return super().generate(prompt_ids, n, params, seed)
+
+    composer = RewardComposer([slow_length])
+    assert streams(HFEngine(), composer) and not streams(OwnEngine(), composer)
+    assert not streams(HFEngine(), RewardComposer([plain_count]))  # nothing waits: nothing to overlap

@@ -161,9 +161,6 @@ class RolloutEngine(ABC):
     #: the base model's names; a LoRA policy's merged) or ``adapter`` (a LoRA policy's
     #: ``lora_A`` / ``lora_B`` alone, PEFT names: ``weight_sync.iter_adapter_weights``)
     weights_format: str = "full"
-    #: True when :meth:`generate` takes ``on_group`` and calls it as each group's responses end
-    #: (its scoring then starts while the rest generate: ``rollout/scoring.py``)
-    reports_groups: bool = False
 
     def __init__(self) -> None:
         self.weights_version = -1  # the policy version whose weights the engine holds
@@ -174,7 +171,11 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
-        """Sample ``n`` responses for each prompt, reproducibly for a given ``seed``."""
+        """Sample ``n`` responses for each prompt, reproducibly for a given ``seed``.
+
+        An engine whose ``generate`` also takes ``on_group`` calls ``on_group(index, completions)``
+        as each group's responses end, so their scoring starts while the rest generate
+        (``HFEngine``; ``rollout/scoring.py``)."""
 
     def update_weights(self, weights: WeightsIterator, version: int) -> dict[str, float]:
         """Load new weights (every pair of ``weights`` must be consumed) and record ``version``.

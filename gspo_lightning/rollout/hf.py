@@ -73,7 +73,6 @@ class HFEngine(RolloutEngine):
     """
 
     shares_policy_weights = True  # the same module object as the policy: always current
-    reports_groups = True  # generate(on_group=...): each group as its last response ends
 
     def __init__(self, generation_batch_size: Optional[int] = None):
         super().__init__()

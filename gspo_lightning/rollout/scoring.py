@@ -13,6 +13,7 @@ returned for the whole batch, in the batch's order: the same scores, only sooner
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from concurrent.futures import Future
 from typing import Callable, Optional
@@ -20,10 +21,12 @@ from typing import Callable, Optional
 from gspo_lightning.rewards.base import RewardComposer, close_long_lived, is_async_callable, mark_long_lived
 
 
-def streams(rewards: Optional[RewardComposer]) -> bool:
-    """Scoring during generation pays only for functions that wait (``async def``: a judge, a
-    remote reward model); plain Python ones would take the interpreter from the decoding."""
-    return rewards is not None and any(is_async_callable(fn) for _, _, fn in rewards.functions)
+def streams(engine, rewards: Optional[RewardComposer]) -> bool:
+    """Whether to score group by group: the engine reports groups (its ``generate`` takes
+    ``on_group``), and some reward function waits (``async def``: a judge, a remote reward model);
+    plain Python ones would take the interpreter from the decoding."""
+    reports = "on_group" in inspect.signature(engine.generate).parameters
+    return reports and rewards is not None and any(is_async_callable(fn) for _, _, fn in rewards.functions)
 
 
 class RewardLoop:

@@ -238,7 +238,7 @@ class RolloutWorker:
     @property
     def stream_scoring(self) -> bool:
         """Whether groups are scored as they end (an engine that reports them, a reward that waits)."""
-        return self.score_while_generating and self.engine.reports_groups and streams(self.rewards)
+        return self.score_while_generating and streams(self.engine, self.rewards)
 
     def _group_scorer(self, raw_prompts: list, columns: dict, group_size: int) -> GroupScorer:
         if self.reward_loop is None:
