@@ -61,7 +61,8 @@ sum. Functions are called as TRL's `GRPOTrainer` calls them, so TRL's own
   `prompts` holds the message lists and each completion is `[{"role": "assistant", "content": text}]`;
   otherwise both are plain strings;
 - return one score per completion; `None` means "no score for this sample": the weighted sum
-  skips it, and a sample that no function scored gets advantage 0 and is left out of its
+  skips it, and a sample that no function of non-zero weight scored (a weight-0 function is a
+  monitor, logged only) gets advantage 0 and is left out of its
   group's and the batch's reward statistics (see docs/algorithm.md);
 - `async def` functions are awaited, all of them concurrently.
 

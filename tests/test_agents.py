@@ -217,7 +217,8 @@ def test_agents_that_fail_give_unscored_counted_episodes_and_a_majority_stops_th
     batch_rows = rows(8)
     for row, behaviour in zip(batch_rows, ("raise", "hang", "silent", "wrong_type")):
         row["behaviour"] = behaviour
-    batch = run("tests.helpers_agents.faulty_agent", PromptEngine(calls=1), batch_rows, agent_timeout_s=1.5,
+    # 4 s: the hanging agent's limit, with room for a worker process's start on a loaded machine
+    batch = run("tests.helpers_agents.faulty_agent", PromptEngine(calls=1), batch_rows, agent_timeout_s=4,
                 agent_processes=processes)
     assert batch.failed == [True, True, True, True, False, False, False, False]
     assert batch.stats["agent/errors"] == 3 and batch.stats["agent/timeouts"] == 1
@@ -227,7 +228,7 @@ def test_agents_that_fail_give_unscored_counted_episodes_and_a_majority_stops_th
     for row in batch_rows[4:6]:
         row["behaviour"] = "raise"
     with pytest.raises(AgentError, match="6 of 8 agent episodes failed.*KeyError"):
-        run("tests.helpers_agents.faulty_agent", PromptEngine(calls=1), batch_rows, agent_timeout_s=1.5,
+        run("tests.helpers_agents.faulty_agent", PromptEngine(calls=1), batch_rows, agent_timeout_s=4,
             agent_processes=processes)
 
 

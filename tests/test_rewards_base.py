@@ -212,3 +212,23 @@ def test_trl_factory_reward_on_completion_ids(source):
                                           name="overlong")])
     total, _, _ = score(composer, completion_ids=[[0] * 5, [0] * 8, [0] * 12])
     assert total == [0.0, -0.5, -1.0]
+
+
+def judge_scoring_the_first(completions, **_):
+    return [1.0] + [None] * (len(completions) - 1)
+
+
+def truth_scoring_all(completions, **_):
+    return [1.0] + [0.0] * (len(completions) - 1)
+
+
+def test_a_weight_zero_monitor_does_not_score_what_the_trained_functions_left_unscored():
+    """reward/truth beside a judge (docs/rewards.md): where the judge gave no score, the monitor's
+    score must not turn the sample into a trained 0."""
+    composer = RewardComposer([
+        RewardSpec(function="tests.test_rewards_base.judge_scoring_the_first", name="judge"),
+        RewardSpec(function="tests.test_rewards_base.truth_scoring_all", name="truth", weight=0.0),
+    ])
+    total, parts, scored = composer(prompts=["p", "p"], completions=["a", "b"], completion_ids=None, columns={})
+    assert scored == [True, False] and total == [1.0, 0.0]
+    assert parts["truth"] == [1.0, 0.0]  # still logged

@@ -12,7 +12,7 @@ text}]`` instead of the text (a multi-turn episode: every message after the prom
 assistant's turns and the environment's replies, in order). ``completion_ids`` are the completion's token ids;
 ``columns`` holds every other dataset column, one entry per completion, plus
 ``completion_lengths`` (tokens per completion). A score of ``None`` means "no score for
-this sample": the weighted sum skips it, and a sample no function scored is marked
+this sample": the weighted sum skips it, and a sample no function of non-zero weight scored is marked
 unscored (its advantage is 0). ``async def`` functions are awaited, concurrently.
 Configs name functions by import path with their own keyword arguments and a weight:
 
@@ -242,8 +242,8 @@ class RewardComposer:
         Returns ``(total, components, scored)``: ``total[i]`` is the weighted sum of the
         scores sample ``i`` got (``None`` scores skipped; 0.0 where it got none);
         ``components[name][i]`` is each function's score, NaN where it gave ``None``
-        (average those with a NaN-aware mean); ``scored[i]`` is False where no function
-        scored sample ``i``.
+        (average those with a NaN-aware mean); ``scored[i]`` is False where no function of
+        non-zero weight scored sample ``i`` (a weight-0 function is a monitor: logged only).
         """
         kwargs = self._arguments(prompts, completions, completion_ids, columns)
         raw: dict[str, Any] = {}
@@ -321,7 +321,9 @@ class RewardComposer:
             for i, score in enumerate(scores):
                 if score is not None:
                     total[i] += weight * score
-                    scored[i] = True
+                    # a weight-0 function is a monitor (logged, not trained on): its score alone would
+                    # be a silent 0 where every trained function left the sample unscored
+                    scored[i] = scored[i] or weight != 0
         return total, per_function, scored
 
     def _fail(self, name: str, message: str, count: int) -> list[float]:
