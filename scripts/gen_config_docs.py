@@ -143,7 +143,7 @@ conversation as `role: content` lines) and any dataset column (a field no column
 the first batch, naming it; a literal brace is written `{{` or `}}`). A reply without a score,
 a score outside `scale`, or a request that fails after its retries leaves that sample
 unscored (`None`, not 0): counted in `reward/<name>/failed`, and the first failure of each
-kind (timeout, HTTP status, connection, no score) printed once. More than half of a batch
+kind (timeout, HTTP status, connection, no score) printed once. More than half of a step's samples
 failing stops the run with a checkpoint and one line naming the endpoint, whatever
 `on_reward_error` says. `group: true` sends each group (the responses to one prompt) in one
 request, `{completions}` in place of `{completion}` (numbered `Response 1:` ...), and reads one

@@ -16,7 +16,7 @@
 Each completion is one request (``group: true``: one request per group, the judge scoring every
 response of it, as RULER does). A reply the pattern does not find a score in, or a request that
 still fails after its retries, gives ``None`` (the sample unscored, not 0), counted in
-``reward/<name>/failed`` and printed once per kind of failure; more than half of a batch failing
+``reward/<name>/failed`` and printed once per kind of failure; more than half of a step's samples failing
 stops the run with a checkpoint and one line naming the endpoint (the rollout's check, in
 ``RewardComposer.pop_failure_counts``: a step scored group by group counts its whole batch).
 """
