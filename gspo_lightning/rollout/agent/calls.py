@@ -46,7 +46,9 @@ class QueuedCall:
 class CallQueue:
     """Thread-safe: the endpoint submits, the rollout thread takes batches."""
 
-    def __init__(self, window_s: Optional[float] = 0.05, stall_s: float = 1.0):
+    # 5 s: a call is late by seconds on a loaded machine (agents in worker processes beside other
+    # runs); a full client pool stalls every batch, so it is said either way
+    def __init__(self, window_s: Optional[float] = 0.05, stall_s: float = 5.0):
         self.window_s = window_s
         self.stall_s = stall_s
         self.stalls = 0  # reproducible batches taken short: nothing arrived for stall_s

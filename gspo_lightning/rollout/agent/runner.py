@@ -116,7 +116,8 @@ class AgentRunner:
         batch = self._batch(sessions, outcomes, prompts, group_size)
         if self.endpoint.queue.stalls and "stalls" not in self._printed:
             self._printed.add("stalls")
-            print("agent episodes: with batch_window_s null a batch waited over 1 s for an agent's call and was taken "
+            print(f"agent episodes: with batch_window_s null a batch waited over {self.endpoint.queue.stall_s:g} s for "
+                  "an agent's call and was taken "
                   "without it (sampling is then not reproducible): the agent's client holds fewer connections than "
                   "episodes run at once; raise its pool (httpx Limits) or lower model.episodes.max_concurrent (said once)",
                   file=sys.stderr, flush=True)
