@@ -11,6 +11,8 @@
 #   5. the exported model loaded outside the container with transformers' Auto classes;
 #   6. trainer and rollout server in two containers on a podman network (SERVER_PAIR=0 skips).
 # Every part is timed; any failure stops the script with a message naming the part.
+# STAGE=build runs parts 1-3 only (mostly downloads and unpacking: .ci/run runs it beside the
+# tests), STAGE=run parts 4-6 on the image built before; the default, all, runs every part.
 #
 # Settings (environment): PYTHON (a Python with transformers for part 5; default .venv/bin/python,
 # the environment .ci/run made), KEEP_BASE=1 / KEEP_IMAGE=1 reuse an existing base / image, PIP_CA (default the
@@ -30,6 +32,8 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 [ -d /opt/wheels ] && WHEELS=${WHEELS-/opt/wheels} || WHEELS=${WHEELS-}
 [ -n "$WHEELS" ] || [ -n "${PIP_INDEX_URL:-}" ] || PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 SERVER_PAIR=${SERVER_PAIR:-1}
+STAGE=${STAGE:-all}
+case "$STAGE" in all|build|run) ;; *) echo "STAGE=$STAGE: use all, build or run" >&2; exit 2;; esac
 SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
 PODMAN="$SUDO podman"
 WORK=$(mktemp -d /tmp/gspo-container-ci.XXXXXX)
@@ -60,6 +64,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
+if [ "$STAGE" != run ]; then
 # --- 1. podman from the apt mirror, and the settings this machine needs
 begin "install podman, runc, debootstrap"
 if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then
@@ -125,6 +130,9 @@ fi
 $PODMAN run --rm --network none --entrypoint python "$IMAGE" -c \
     "import torch, os; assert torch.version.cuda is None, torch.version.cuda; assert not os.path.exists('/run/secrets/pip_ca'); print('torch', torch.__version__)"
 end
+fi
+if [ "$STAGE" = build ]; then report; echo "=== container CI: image built"; exit 0; fi
+$PODMAN image exists "$IMAGE" || { echo "no image $IMAGE to run: STAGE=build first" >&2; exit 1; }
 
 # --- 4. offline runs
 begin "gspo --help (--network none)"

@@ -179,14 +179,16 @@ def test_lookup_rows_need_the_tool():
 
 @pytest.mark.slow
 def test_the_lookup_recipe_learns_to_call_the_tool_and_copy_its_reply(tmp_path):
-    """configs/episodes_lookup.yaml as shipped, through `gspo fit`, with a seed other than the
-    recipe's: from random weights the model must learn to call `get <key>`, read the tool's reply
-    and answer with it (the answer is in no prompt): held-out accuracy from ~0 to >= 0.9 by step 150."""
+    """configs/episodes_lookup_trl.yaml as shipped (the tool a typed method of a class written for
+    TRL's environment_factory), through `gspo fit`, with a seed other than the recipe's: from random
+    weights the model must learn to call `get <key>`, read the tool's reply and answer with it (the
+    answer is in no prompt): held-out accuracy from ~0 to >= 0.9 by step 150. (The same task with
+    its own Environment subclass, configs/episodes_lookup.yaml, learns in CI's vLLM stage.)"""
     import json
 
     from gspo_lightning.cli import main
 
-    main(["fit", "--config", str(ROOT / "configs" / "episodes_lookup.yaml"), "--seed_everything", "1",
+    main(["fit", "--config", str(ROOT / "configs" / "episodes_lookup_trl.yaml"), "--seed_everything", "1",
           "--trainer.max_steps", "150", "--trainer.enable_progress_bar", "false",
           f"--trainer.default_root_dir={tmp_path}", "--model.export_on_fit_end", "false"])
     evals = [json.loads(line) for line in next(tmp_path.rglob("eval_results.jsonl")).read_text().splitlines()]

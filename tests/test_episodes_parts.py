@@ -494,7 +494,7 @@ def test_a_template_without_an_end_of_turn_token_is_refused():
     no_terminator = ("{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
                      "{% if add_generation_prompt %}[assistant] {% endif %}")
     with pytest.raises(TemplateNotAppendOnly, match=r"closes an assistant turn with '\\n', which does not start with "
-                                                    r"a special token.*pass end_of_turn="):
+                                                    r"a special token.*set model.episodes.end_of_turn"):
         ChatRenderer(build_tokenizer(no_terminator))
 
 

@@ -11,6 +11,7 @@ EXPORTS = {
     **dict.fromkeys(["Tool", "ToolError", "load_tools"], "tools"),
     **dict.fromkeys(["HermesToolCallParser", "ParsedTurn", "ToolCall", "ToolCallParser"], "parsers"),
     **dict.fromkeys(["Environment", "ToolEnvironment"], "environments"),
+    "FactoryEnvironment": "factory",
     **dict.fromkeys(["ChatRenderer", "DEFAULT_TOOLS_SYSTEM_PROMPT", "TemplateNotAppendOnly"], "template"),
     **dict.fromkeys(["MultiTurn", "check_episode_objective"], "multi_turn"),
 }

@@ -22,6 +22,7 @@ shared between episodes (a connection pool, loaded tools) or is costly to copy.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Callable, Optional, Union
 
@@ -33,6 +34,10 @@ from gspo_lightning.errors import ConfigError
 
 class Environment:
     """Base environment: subclasses implement :meth:`step`, and :meth:`reset` when they add messages."""
+
+    # True when the environment's own rewards (turn rewards, :meth:`rewards`) may be an episode's
+    # only reward: the run then needs no reward functions
+    scores_episodes: bool = False
 
     @property
     def tools_schema(self) -> Optional[list[dict]]:
@@ -53,9 +58,20 @@ class Environment:
         """Answer one assistant turn ``{"role": "assistant", "content": text}``."""
         raise NotImplementedError(f"{type(self).__name__} must implement step(assistant_message) -> StepResult")
 
+    async def astep(self, assistant_message: dict) -> StepResult:
+        """:meth:`step` as the episode runner calls it, every live episode's at once. The default
+        runs ``step`` in the runner's thread pool (``episodes.max_concurrent_tools`` threads);
+        override it to await instead (async tools, an environment behind a connection)."""
+        return await asyncio.to_thread(self.step, assistant_message)
 
-def _error_reply(text: str, name: Optional[str] = None) -> dict:
-    return {"role": "tool", **({"name": name} if name else {}), "content": f"Error: {text}"}
+    def rewards(self) -> dict[str, float]:
+        """Named rewards of the finished episode, each added to its reward and logged as
+        ``reward/<name>`` (an environment that scores episodes itself); default none."""
+        return {}
+
+    def for_rewards(self) -> object:
+        """What reward functions get for this episode in ``environments=`` (default: the environment)."""
+        return self
 
 
 class ToolEnvironment(Environment):
@@ -63,8 +79,9 @@ class ToolEnvironment(Environment):
 
     Only the text after a turn's last ``</think>`` is read for calls (a call drafted while reasoning
     is not made). The episode is done when a turn makes no call and no malformed call (a malformed call gets
-    an error reply, so the model may retry). Calls run one after another, in the order written;
-    a turn's unreadable calls are answered after its readable ones. Every fault is a reply
+    an error reply, so the model may retry). A turn's calls run one after another in the order
+    written, or side by side with ``parallel_calls`` (the replies keep that order either way); a
+    turn's unreadable calls are answered after its readable ones. Every fault is a reply
     ``"Error: ..."`` and is counted in ``StepResult.info``: ``tool_calls`` (all calls, readable
     or not), ``tool_errors`` (calls answered with an error), ``tool_timeouts``,
     ``malformed_tool_calls``.
@@ -77,18 +94,29 @@ class ToolEnvironment(Environment):
         first_messages: messages every conversation starts with, before the row's prompt: a system
             message, a worked example of a call (a small model that has never seen the call format
             in its chat template learns it from one example).
+        parallel_calls: run a turn's calls side by side (tools that do not depend on each other's
+            effects); off: in the order written.
+        max_hung_calls: calls of one tool that may still be running past their timeout (each holds
+            a thread) before its next calls are answered with an error.
+        error_reply: the reply to a failed call, ``{error}`` replaced by the reason (a tiny model's
+            vocabulary may need a single word, e.g. ``error``).
     """
 
     def __init__(self, tools: list[Union[str, Callable]], parser: Optional[ToolCallParser] = None,
-                 timeout_s: float = 5.0, max_calls_per_turn: int = 4, first_messages: Optional[list[dict]] = None):
+                 timeout_s: float = 5.0, max_calls_per_turn: int = 4, first_messages: Optional[list[dict]] = None,
+                 parallel_calls: bool = False, max_hung_calls: int = 8, error_reply: str = "Error: {error}"):
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         if max_calls_per_turn < 1:
             raise ConfigError(f"max_calls_per_turn must be at least 1, got {max_calls_per_turn}")
-        self.tools: dict[str, Tool] = {tool.name: tool for tool in load_tools(tools)}
+        if max_hung_calls < 1:
+            raise ConfigError(f"max_hung_calls must be at least 1, got {max_hung_calls}")
+        self.tools: dict[str, Tool] = {tool.name: tool for tool in load_tools(tools, max_hung=max_hung_calls)}
         self.parser = parser if parser is not None else HermesToolCallParser()
         self.timeout_s = timeout_s
         self.max_calls_per_turn = max_calls_per_turn
+        self.parallel_calls = parallel_calls
+        self.error_reply = error_reply
         self.first_messages = [dict(m) for m in first_messages or []]
         if any(not isinstance(m.get("role"), str) or "content" not in m for m in self.first_messages):
             raise ConfigError("first_messages must be chat messages, each with a role and a content")
@@ -105,32 +133,40 @@ class ToolEnvironment(Environment):
         return copy.copy(self)
 
     def step(self, assistant_message: dict) -> StepResult:
+        return asyncio.run(self.astep(assistant_message))
+
+    def _error_reply(self, text: str, name: Optional[str] = None) -> dict:
+        return {"role": "tool", **({"name": name} if name else {}), "content": self.error_reply.replace("{error}", text)}
+
+    async def astep(self, assistant_message: dict) -> StepResult:
         text = assistant_message.get("content") or ""
         # calls written while reasoning are not calls: read only what follows the last </think>
         turn = self.parser.parse(text.rpartition("</think>")[2])
         counts = {"tool_calls": len(turn.calls) + len(turn.errors), "tool_errors": len(turn.errors),
                   "tool_timeouts": 0, "malformed_tool_calls": len(turn.errors)}
-        replies = []
-        for index, call in enumerate(turn.calls):
+
+        async def reply(index: int, call) -> tuple[dict, Optional[str]]:
+            """The call's reply, and the kind of its fault (None: it ran)."""
             if index >= self.max_calls_per_turn:
-                replies.append(_error_reply(f"at most {self.max_calls_per_turn} tool calls per turn; this call "
-                                            "was not run", call.name))
-                counts["tool_errors"] += 1
-                continue
+                return self._error_reply(f"at most {self.max_calls_per_turn} tool calls per turn; this call was not run",
+                                    call.name), "refused"
             tool = self.tools.get(call.name)
             if tool is None:
-                replies.append(_error_reply(f"unknown tool {call.name!r}; the tools are "
-                                            f"{', '.join(self.tools) or 'none'}", call.name))
-                counts["tool_errors"] += 1
-                continue
+                return self._error_reply(f"unknown tool {call.name!r}; the tools are {', '.join(self.tools) or 'none'}",
+                                    call.name), "unknown"
             try:
-                replies.append({"role": "tool", "name": call.name, "content": tool(call.arguments, self.timeout_s)})
+                return {"role": "tool", "name": call.name, "content": await tool.acall(call.arguments, self.timeout_s)}, None
             except ToolError as err:
-                replies.append(_error_reply(str(err), call.name))
-                counts["tool_errors"] += 1
-                counts["tool_timeouts"] += err.kind == "timeout"
-        replies.extend(_error_reply(error) for error in turn.errors)
-        return StepResult(messages=replies, done=not replies, info=counts)
+                return self._error_reply(str(err), call.name), err.kind
 
+        if self.parallel_calls:
+            outcomes = await asyncio.gather(*(reply(i, call) for i, call in enumerate(turn.calls)))
+        else:
+            outcomes = [await reply(i, call) for i, call in enumerate(turn.calls)]
+        replies = [message for message, _ in outcomes]
+        counts["tool_errors"] += sum(kind is not None for _, kind in outcomes)
+        counts["tool_timeouts"] += sum(kind == "timeout" for _, kind in outcomes)
+        replies.extend(self._error_reply(error) for error in turn.errors)
+        return StepResult(messages=replies, done=not replies, info=counts)
 
 __all__ = ["Environment", "ToolEnvironment"]

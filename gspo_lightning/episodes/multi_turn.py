@@ -14,6 +14,7 @@ import torch
 
 from gspo_lightning._imports import import_callable
 from gspo_lightning.episodes.environments import Environment
+from gspo_lightning.episodes.factory import FactoryEnvironment
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
 from gspo_lightning.errors import ConfigError
@@ -27,6 +28,11 @@ class MultiTurn:
         environment: the environment (``class_path``), e.g.
             :class:`~gspo_lightning.episodes.ToolEnvironment` with plain Python functions as
             tools. Each episode gets its own copy (:meth:`Environment.fresh`).
+        environment_factory: instead, an environment class written for TRL's
+            ``GRPOTrainer(environment_factory=...)`` (its import path), run unchanged: an instance
+            per episode, ``reset(**row)``, its public methods as tools read by
+            ``tool_call_parser``, ``get_reward()`` and ``environments=`` for reward functions
+            (:class:`~gspo_lightning.episodes.FactoryEnvironment`).
         agent: instead of an environment, a user's agent (import path of a function, sync or
             ``async def``) that owns the loop and calls the run's OpenAI-compatible endpoint
             (docs/agents.md). Called once per episode with ``row``, ``base_url``, ``api_key``
@@ -36,6 +42,9 @@ class MultiTurn:
             ``tool_calls``, and writes an assistant message's ``tool_calls`` back as text where the
             chat template cannot render them (default: Hermes ``<tool_call>`` JSON blocks).
         max_concurrent: agent episodes running at once (``null``: the whole rollout batch).
+        max_concurrent_tools: tool calls running at once over all episodes of a turn (and threads
+            running environments' plain ``step`` methods); each episode's environment steps beside
+            the others'.
         agent_timeout_s: an agent still running after this long is an unscored, counted episode.
         endpoint_host: where the endpoint listens (loopback by default; every call needs its
             episode's key wherever it listens).
@@ -73,19 +82,25 @@ class MultiTurn:
                  template_kwargs: Optional[dict] = None, agent: Optional[str] = None,
                  tool_call_parser: Optional[ToolCallParser] = None, max_concurrent: Optional[int] = None,
                  agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0,
-                 batch_window_s: Optional[float] = 0.05, agent_processes: int = 0):
-        if (environment is None) == (agent is None):
-            raise ConfigError("model.episodes needs exactly one of environment (the runner owns the loop) and agent (your "
-                             "program owns it and calls the endpoint); got "
-                             f"{'both' if environment is not None else 'neither'}")
+                 batch_window_s: Optional[float] = 0.05, agent_processes: int = 0,
+                 environment_factory: Optional[str] = None, max_concurrent_tools: int = 256):
+        given = [name for name, value in (("environment", environment), ("environment_factory", environment_factory),
+                                          ("agent", agent)) if value is not None]
+        if len(given) != 1:
+            raise ConfigError("model.episodes needs exactly one of environment (the runner owns the loop), "
+                              "environment_factory (a TRL environment class) and agent (your program owns the loop and "
+                              f"calls the endpoint); got {' and '.join(given) or 'none'}")
+        if max_concurrent_tools < 1:
+            raise ConfigError(f"model.episodes.max_concurrent_tools must be >= 1, got {max_concurrent_tools}")
+        self.max_concurrent_tools = max_concurrent_tools
         if max_concurrent is not None and max_concurrent < 1:
-            raise ConfigError(f"episodes.max_concurrent must be >= 1 or null (the whole rollout batch), got {max_concurrent}")
+            raise ConfigError(f"model.episodes.max_concurrent must be >= 1 or null (the whole rollout batch), got {max_concurrent}")
         if not agent_timeout_s > 0:
-            raise ConfigError(f"episodes.agent_timeout_s must be positive, got {agent_timeout_s}")
+            raise ConfigError(f"model.episodes.agent_timeout_s must be positive, got {agent_timeout_s}")
         if batch_window_s is not None and not batch_window_s >= 0:
-            raise ConfigError(f"episodes.batch_window_s must be >= 0 or null, got {batch_window_s}")
+            raise ConfigError(f"model.episodes.batch_window_s must be >= 0 or null, got {batch_window_s}")
         if not 0 <= endpoint_port < 65536:
-            raise ConfigError(f"episodes.endpoint_port must be in 0..65535 (0: a free port), got {endpoint_port}")
+            raise ConfigError(f"model.episodes.endpoint_port must be in 0..65535 (0: a free port), got {endpoint_port}")
         self.agent = agent
         self.agent_function = import_callable(agent, "agent") if agent is not None else None
         self.tool_call_parser = tool_call_parser if tool_call_parser is not None else HermesToolCallParser()
@@ -95,21 +110,23 @@ class MultiTurn:
         self.endpoint_port = endpoint_port
         self.batch_window_s = batch_window_s
         if agent_processes < 0 or (agent_processes and agent is None):
-            raise ConfigError(f"episodes.agent_processes={agent_processes}: the number of processes the agent runs in "
+            raise ConfigError(f"model.episodes.agent_processes={agent_processes}: the number of processes the agent runs in "
                               "(0: the trainer's own), with model.episodes.agent set")
         self.agent_processes = agent_processes
         if max_turns < 1:
-            raise ConfigError(f"episodes.max_turns must be >= 1, got {max_turns}")
+            raise ConfigError(f"model.episodes.max_turns must be >= 1, got {max_turns}")
         if max_turn_tokens is not None and max_turn_tokens < 1:
-            raise ConfigError(f"episodes.max_turn_tokens must be >= 1 or null, got {max_turn_tokens}")
+            raise ConfigError(f"model.episodes.max_turn_tokens must be >= 1 or null, got {max_turn_tokens}")
         if on_environment_error not in ("raise", "end"):
-            raise ConfigError(f"episodes.on_environment_error must be raise or end, got {on_environment_error!r}")
+            raise ConfigError(f"model.episodes.on_environment_error must be raise or end, got {on_environment_error!r}")
+        if environment_factory is not None:
+            environment = FactoryEnvironment(environment_factory, parser=self.tool_call_parser)
         self.environment = environment
         self.max_turns = max_turns
         self.max_turn_tokens = max_turn_tokens
         self.on_environment_error = on_environment_error
         if not 0 < turn_discount <= 1:
-            raise ConfigError(f"episodes.turn_discount must be in (0, 1], got {turn_discount}")
+            raise ConfigError(f"model.episodes.turn_discount must be in (0, 1], got {turn_discount}")
         self.turn_advantages = turn_advantages
         self.turn_discount = turn_discount
         self.renderer: Optional[ChatRenderer] = None
@@ -143,7 +160,7 @@ def check_episode_objective(episodes: Optional[MultiTurn], importance_sampling: 
     """``episodes``, checked against the objective: per-turn advantages need token-level
     advantages in the loss."""
     if episodes is not None and episodes.turn_advantages and (importance_sampling == "seq" or adv_estimator != "grpo"):
-        raise ConfigError("episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
+        raise ConfigError("model.episodes.turn_advantages gives each turn its own advantage: it needs importance_sampling: "
                          f"seq-token (GSPO-token) or token, and adv_estimator: grpo (got {importance_sampling}, "
                          f"{adv_estimator})")
     return episodes

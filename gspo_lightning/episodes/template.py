@@ -40,10 +40,13 @@ schemas, one JSON per line), merged into the conversation's own system message i
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any, Optional
 
 from gspo_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TOOLS_SYSTEM_PROMPT = (
     "You can call tools (functions) to help with the request. The tools, one JSON schema per line:\n"
@@ -98,6 +101,7 @@ class ChatRenderer:
                  system_prompt_for_tools: Optional[str] = DEFAULT_TOOLS_SYSTEM_PROMPT,
                  end_of_turn: Optional[str] = None, template_kwargs: Optional[dict[str, Any]] = None):
         self.tokenizer = tokenizer
+        self._warned_unknown = False
         self.tools_schema = tools_schema or None
         self.system_prompt_for_tools = system_prompt_for_tools
         self.template_kwargs = dict(template_kwargs or {})
@@ -107,8 +111,9 @@ class ChatRenderer:
         self.end_of_turn = end_of_turn if end_of_turn is not None else self._end_of_turn()
         if not self.assistant_close.startswith(self.end_of_turn):
             raise TemplateNotAppendOnly(f"the chat template closes an assistant turn with {self.assistant_close!r}, which "
-                                        f"does not start with the end-of-turn token {self.end_of_turn!r}; pass the "
-                                        "end_of_turn that the template writes after an assistant message")
+                                        f"does not start with the end-of-turn token {self.end_of_turn!r}; set "
+                                        "model.episodes.end_of_turn to the text the template writes right after an "
+                                        "assistant message (\"\" when it writes none)")
         # what the template writes after the end-of-turn token ("\n" for ChatML): the continuation's first text
         self.after_end_of_turn = self.assistant_close[len(self.end_of_turn):]
         # a word-level tokenizer joins tokens with single spaces: its round trips are compared word by word
@@ -122,7 +127,8 @@ class ChatRenderer:
         end with it (cut by the token budget) cannot be continued."""
         ids = self._encode(self.end_of_turn)
         if len(ids) != 1:
-            raise ConfigError(f"the end-of-turn text {self.end_of_turn!r} is {len(ids)} tokens, not one special token")
+            raise ConfigError(f"model.episodes.end_of_turn={self.end_of_turn!r} is {len(ids)} tokens, not one special "
+                              "token: set it to the text of the token generation stops on")
         return ids[0]
 
     def _template_text(self) -> str:
@@ -172,13 +178,31 @@ class ChatRenderer:
             raise TemplateNotAppendOnly(
                 f"the chat template closes an assistant turn with {self.assistant_close!r}, which does not start with a "
                 "special token, so the end of the model's generation cannot be found in the template's rendering of "
-                "the turn; use a template that ends assistant turns with an end-of-turn token, or pass "
-                "end_of_turn='<the text of the token generation stops on>'")
+                "the turn; use a template that ends assistant turns with an end-of-turn token, or set "
+                "model.episodes.end_of_turn to the text of the token generation stops on (\"\" for a template that "
+                "does not write it, as tiny models' do)")
         return max(starts, key=len)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The first prompt's ids: the conversation and the generation prompt of the first assistant turn."""
-        return self._encode(self.render(messages, add_generation_prompt=True))
+        text = self.render(messages, add_generation_prompt=True)
+        ids = self._encode(text)
+        unknown = self._unknown_words(text, ids)
+        if unknown and not self._warned_unknown:
+            self._warned_unknown = True  # once per run: every prompt of a task shows the same tools
+            log.warning("an episode's prompt has %d tokens the tokenizer does not know (%s), read by the model as %s: "
+                        "the tools' description or the prompt uses words outside its vocabulary (a tiny model's? set "
+                        "model.episodes.system_prompt_for_tools: null and show the tools in the prompts)",
+                        sum(i == self.tokenizer.unk_token_id for i in ids), ", ".join(map(repr, unknown[:5])),
+                        self.tokenizer.unk_token)
+        return ids
+
+    def _unknown_words(self, text: str, ids: list[int]) -> list[str]:
+        """The words of ``text`` that encode to the unknown token (none when the tokenizer has none)."""
+        unk = self.tokenizer.unk_token_id
+        if unk is None or unk not in ids:
+            return []
+        return sorted({word for word in text.split() if unk in self._encode(word)})
 
     def continuation_ids(self, messages_before: list[dict], new_messages: list[dict]) -> list[int]:
         """The ids to append after an assistant turn's sampled ids (which end with its end-of-turn token):
@@ -215,6 +239,12 @@ class ChatRenderer:
                                                              messages_before[-1:]))
         suffix = after[len(before) - len(self.after_end_of_turn):]  # right after the end-of-turn token
         ids = self._encode(suffix)
+        unknown = self._unknown_words(suffix, ids)
+        if unknown:
+            raise ConfigError(f"the environment's reply {suffix[:60]!r} has words the tokenizer does not know "
+                              f"({', '.join(map(repr, unknown[:5]))}): the model would read {self.tokenizer.unk_token} "
+                              "there and the reply could not be told apart from others; reply with words in the "
+                              "model's vocabulary")
         decoded = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if decoded != suffix and (self.keeps_whitespace or decoded.split() != suffix.split()):
             raise ConfigError(f"tokenizing the environment's text {suffix[:60]!r} alone does not give that text back "

@@ -19,27 +19,39 @@ A call never raises anything but :class:`ToolError`, whose short message becomes
 reply to the model: bad or missing arguments, an exception inside the tool, a result that is
 not JSON, or a call that outlived its timeout.
 
-Timeouts run the call in a daemon thread and stop waiting after ``timeout_s``. Python cannot
-kill a thread: a hung tool keeps running (and holding what it holds) until it returns, but the
-episode goes on and the interpreter does not wait for it at exit. A process per call could be
-killed, but it costs a fork or a spawn per call (tens of milliseconds, and fork is unsafe in a
-trainer with CUDA and threads) and needs picklable functions; tools that can truly hang (network,
-subprocesses) should bound themselves and use this timeout as the backstop.
+Calls run side by side: the episode runner steps every live episode's environment at once, and
+a turn's calls may run together (``ToolEnvironment(parallel_calls=true)``). ``async def`` tools are
+awaited on the runner's event loop and cancelled at their timeout. A plain function runs in a
+daemon thread of its own and is waited for until ``timeout_s``. Python cannot kill a thread: a
+hung tool keeps running (and holding what it holds) until it returns, but the episode goes on, the
+interpreter does not wait for it at exit, and once ``max_hung`` calls of a tool are still running
+past their timeout, its next calls are answered with an error instead of starting another thread,
+so hung calls never pile up threads without bound. A process per call could be killed, but it
+costs a fork or a spawn per call (tens of milliseconds, and fork is unsafe in a trainer with CUDA
+and threads) and needs picklable functions; tools that can truly hang (network, subprocesses)
+should bound themselves and use this timeout as the backstop. How many calls run at once in all
+is the runner's ``episodes.max_concurrent_tools`` (:data:`tool_slots`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import copy
 import inspect
 import json
 import threading
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from gspo_lightning._imports import import_callable
 from gspo_lightning.errors import ConfigError
 
 # a reply the model reads: long tracebacks would only eat the episode's token budget
 MAX_ERROR_CHARS = 300
+
+# The calls that may run at once, set by the episode runner around a turn's environment steps (a
+# semaphore of episodes.max_concurrent_tools slots); None: no bound (a tool called directly)
+tool_slots: contextvars.ContextVar[Optional[asyncio.Semaphore]] = contextvars.ContextVar("tool_slots", default=None)
 
 # JSON-schema type -> the Python types a JSON decoder gives for it (bool is not a number here)
 _JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,),
@@ -70,18 +82,39 @@ def _matches(value: Any, schema_type: Union[str, list, None]) -> bool:
     return False
 
 
+class _HungCalls:
+    """The calls of one tool still running after their timeout (each holds a thread)."""
+
+    def __init__(self):
+        self.count = 0
+        self.lock = threading.Lock()
+
+
 class Tool:
     """A callable the model may call by name, with the JSON schema it is shown.
 
     Args:
         function: a typed function (or ``async def``) with a Google-style docstring.
+        max_hung: calls of this tool that may still be running past their timeout (each holds a
+            thread) before the next call is refused with an error.
+        as_text: how a result that is not a string becomes the reply (default: JSON).
     """
 
-    def __init__(self, function: Callable):
+    def __init__(self, function: Callable, max_hung: int = 8, as_text: Optional[Callable[[Any], str]] = None):
         self.function = function
         self.schema = schema_of(function)
         self.name: str = self.schema["function"]["name"]
+        self.max_hung = max_hung
+        self.as_text = as_text
         self._signature = inspect.signature(function)
+        self._hung = _HungCalls()
+
+    def bound_to(self, function: Callable) -> "Tool":
+        """This tool calling ``function`` instead (the same method of another instance): the schema
+        is not built again, and the calls still running past their timeout are counted together."""
+        tool = copy.copy(self)
+        tool.function = function
+        return tool
 
     def __repr__(self) -> str:
         return f"Tool({self.name})"
@@ -105,28 +138,85 @@ class Tool:
         return arguments
 
     def __call__(self, arguments: dict, timeout_s: float) -> str:
-        """Run the tool; its result as text (a string as is, anything else as JSON)."""
+        """Run the tool from plain code (a fresh event loop); its result as text."""
+        return asyncio.run(self.acall(arguments, timeout_s))
+
+    async def acall(self, arguments: dict, timeout_s: float) -> str:
+        """Run the tool: its result as text (a string as is, anything else by ``as_text``)."""
         arguments = self.check_arguments(arguments)
-        outcome: dict[str, Any] = {}
+        slots = tool_slots.get()
+        if slots is None:
+            return self._text(await self._run(arguments, timeout_s))
+        async with slots:
+            return self._text(await self._run(arguments, timeout_s))
+
+    async def _run(self, arguments: dict, timeout_s: float) -> Any:
+        if inspect.iscoroutinefunction(self.function):
+            task = asyncio.ensure_future(self.function(**arguments))
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                task.cancel()  # an async tool is stopped at its timeout, not left running
+                raise ToolError(f"{self.name} timed out after {timeout_s:g} s", kind="timeout")
+            return self._outcome(task.result)
+        return await self._run_in_thread(arguments, timeout_s)
+
+    async def _run_in_thread(self, arguments: dict, timeout_s: float) -> Any:
+        hung = self._hung
+        with hung.lock:
+            if hung.count >= self.max_hung:
+                raise ToolError(f"{self.name} was not run: {hung.count} earlier calls are still running past their "
+                                "timeout", kind="timeout")
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        state = {"timed_out": False}
+
+        def settle(outcome: tuple) -> None:
+            if not finished.done():
+                finished.set_result(outcome)
 
         def run():
             try:
                 result = self.function(**arguments)
-                outcome["value"] = asyncio.run(result) if inspect.iscoroutine(result) else result
+                outcome = ("value", asyncio.run(result) if inspect.iscoroutine(result) else result)
             except BaseException as err:  # noqa: BLE001 - whatever it raises is the tool's reply
-                outcome["error"] = err
+                outcome = ("error", err)
+            with hung.lock:
+                if state["timed_out"]:
+                    hung.count -= 1
+                    return
+            try:
+                loop.call_soon_threadsafe(settle, outcome)
+            except RuntimeError:  # the loop that waited is gone
+                pass
 
-        worker = threading.Thread(target=run, name=f"tool-{self.name}", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
-            raise ToolError(f"{self.name} timed out after {timeout_s:g} s", kind="timeout")
-        if "error" in outcome:
-            err = outcome["error"]
-            raise ToolError(f"{self.name} raised {type(err).__name__}: {err}", kind="raised")
-        value = outcome["value"]
+        threading.Thread(target=run, name=f"tool-{self.name}", daemon=True).start()
+        try:
+            kind, value = await asyncio.wait_for(asyncio.shield(finished), timeout_s)
+        except asyncio.TimeoutError:
+            with hung.lock:
+                if finished.done():  # it finished as the wait ended
+                    kind, value = finished.result()
+                else:
+                    state["timed_out"] = True
+                    hung.count += 1
+                    raise ToolError(f"{self.name} timed out after {timeout_s:g} s", kind="timeout") from None
+        return self._outcome(lambda: self._raise(value) if kind == "error" else value)
+
+    @staticmethod
+    def _raise(err: BaseException):
+        raise err
+
+    def _outcome(self, get: Callable[[], Any]) -> Any:
+        try:
+            return get()
+        except BaseException as err:  # noqa: BLE001 - whatever it raises (SystemExit too) is the tool's reply
+            raise ToolError(f"{self.name} raised {type(err).__name__}: {err}", kind="raised") from None
+
+    def _text(self, value: Any) -> str:
         if isinstance(value, str):
             return value
+        if self.as_text is not None:
+            return self.as_text(value)
         try:
             return json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError) as err:
@@ -151,9 +241,10 @@ def import_tool(path: str) -> Callable:
     return import_callable(path, "tool")
 
 
-def load_tools(specs: list[Union[str, Callable]]) -> list[Tool]:
-    """Tools from import paths or callables; names must be unique (the model calls them by name)."""
-    tools = [Tool(import_tool(spec) if isinstance(spec, str) else spec) for spec in specs]
+def load_tools(specs: list[Union[str, Callable]], **options) -> list[Tool]:
+    """Tools from import paths or callables (``options``: :class:`Tool`'s); names must be unique
+    (the model calls them by name)."""
+    tools = [Tool(import_tool(spec) if isinstance(spec, str) else spec, **options) for spec in specs]
     names = [tool.name for tool in tools]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
@@ -161,4 +252,4 @@ def load_tools(specs: list[Union[str, Callable]]) -> list[Tool]:
     return tools
 
 
-__all__ = ["Tool", "ToolError", "import_tool", "load_tools", "schema_of"]
+__all__ = ["Tool", "ToolError", "import_tool", "load_tools", "schema_of", "tool_slots"]

@@ -22,14 +22,18 @@ imports no engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
 
 from gspo_lightning.episodes.environments import Environment
+from gspo_lightning.episodes.messages import StepResult
 from gspo_lightning.episodes.multi_turn import MultiTurn
+from gspo_lightning.episodes.tools import tool_slots
 from gspo_lightning.errors import ConfigError, EpisodeError
 from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
@@ -57,6 +61,7 @@ class Episode:
     tool_errors: int = 0
     environment_tokens: int = 0
     ending: Optional[str] = None
+    rewards: dict[str, float] = field(default_factory=dict)  # the environment's own, once it ended
 
     @property
     def turns(self) -> int:
@@ -96,6 +101,10 @@ class EpisodeBatch:
     # score it), and the episodes whose agent failed (unscored)
     agent_rewards: Optional[list[Optional[float]]] = None
     failed: Optional[list[bool]] = None
+    # environment episodes: the environments' named rewards of each episode (Environment.rewards),
+    # and what reward functions get in environments= (Environment.for_rewards)
+    environment_rewards: Optional[list[dict[str, float]]] = None
+    environments: Optional[list[Any]] = None
 
 
 def as_messages(prompt: Any) -> list[dict]:
@@ -163,6 +172,7 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
 
 def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generation, budget: int) -> None:
     lengths = generation.lengths.tolist()
+    stepping, cut_turns = [], {}
     for row, episode in enumerate(live):
         room = min(budget - len(episode.ids), multi_turn.max_turn_tokens or budget)
         n = min(lengths[row], room)
@@ -172,37 +182,64 @@ def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generatio
         message = {"role": "assistant", "content": multi_turn.tokenizer.decode(ids, skip_special_tokens=True)}
         episode.messages.append(message)
         if cut and len(episode.ids) >= budget:
-            episode.turn_rewards.append(0.0)
-            episode.ending = "budget"
+            _end(episode, "budget")
             continue
-        try:
-            result = episode.environment.step(message)
-        except Exception as err:  # noqa: BLE001 - user code: reported with the episode's context
-            if multi_turn.on_environment_error == "raise":
+        stepping.append(episode)
+        cut_turns[id(episode)] = cut
+    results = step_environments([e.environment for e in stepping], [e.messages[-1] for e in stepping],
+                                multi_turn.max_concurrent_tools)
+    for episode, result in zip(stepping, results):
+        if isinstance(result, BaseException):  # user code: reported with the episode's context
+            if multi_turn.on_environment_error == "raise" or not isinstance(result, Exception):
                 raise EpisodeError(f"the environment {type(episode.environment).__name__} raised in step() at turn "
-                                   f"{episode.turns + 1} ({type(err).__name__}: {err}); fix it, or set "
-                                   f"model.episodes.on_environment_error=end to end such episodes there") from err
-            episode.turn_rewards.append(0.0)
-            episode.ending = "environment_error"
+                                   f"{episode.turns + 1} ({type(result).__name__}: {result}); fix it, or set "
+                                   f"model.episodes.on_environment_error=end to end such episodes there") from result
+            _end(episode, "environment_error")
             continue
         episode.turn_rewards.append(float(result.reward or 0.0))
         episode.tool_calls += int(result.info.get("tool_calls", 0))
         episode.tool_errors += int(result.info.get("tool_errors", 0))
         if result.done:
-            episode.ending = "done"
-            continue
-        if cut:  # the turn hit max_turn_tokens without ending: what follows would continue mid-turn
-            episode.ending = "turn_tokens"
-            continue
-        if episode.turns >= multi_turn.max_turns:
-            episode.ending = "max_turns"
-            continue
-        reply = multi_turn.renderer.continuation_ids(episode.messages, result.messages)
-        if len(episode.ids) + len(reply) >= budget:  # no room for the reply and a token of answer
-            episode.ending = "budget"
-            continue
-        episode.add_environment(reply)
-        episode.messages += [dict(m) for m in result.messages]
+            _end(episode, "done", turn_reward=False)
+        elif cut_turns[id(episode)]:  # the turn hit max_turn_tokens without ending: what follows would continue mid-turn
+            _end(episode, "turn_tokens", turn_reward=False)
+        elif episode.turns >= multi_turn.max_turns:
+            _end(episode, "max_turns", turn_reward=False)
+        else:
+            reply = multi_turn.renderer.continuation_ids(episode.messages, result.messages)
+            if len(episode.ids) + len(reply) >= budget:  # no room for the reply and a token of answer
+                _end(episode, "budget", turn_reward=False)
+                continue
+            episode.add_environment(reply)
+            episode.messages += [dict(m) for m in result.messages]
+
+
+def _end(episode: Episode, ending: str, turn_reward: bool = True) -> None:
+    """End ``episode`` (``turn_reward``: its last turn got no environment reply, so it scores 0
+    there) and collect the environment's own rewards of it."""
+    if turn_reward:
+        episode.turn_rewards.append(0.0)
+    episode.ending = ending
+    episode.rewards = {name: float(value) for name, value in episode.environment.rewards().items()}
+
+
+def step_environments(environments: list[Environment], messages: list[dict], max_concurrent_tools: int
+                      ) -> list[StepResult | BaseException]:
+    """``environment.astep(message)`` of every episode at once, on one event loop: what each
+    returned, or what it raised. At most ``max_concurrent_tools`` tool calls run at once, and as
+    many threads run plain ``step`` methods."""
+    if not environments:
+        return []
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        # asyncio.run shuts this pool down when the turn's steps are done
+        loop.set_default_executor(ThreadPoolExecutor(max_concurrent_tools, thread_name_prefix="environment-step"))
+        tool_slots.set(asyncio.Semaphore(max_concurrent_tools))
+        return await asyncio.gather(*(environment.astep(message) for environment, message in zip(environments, messages)),
+                                    return_exceptions=True)
+
+    return asyncio.run(main())
 
 
 def _batch(multi_turn: MultiTurn, episodes: list[Episode], group_size: int, engine: RolloutEngine) -> EpisodeBatch:
@@ -231,6 +268,8 @@ def _batch(multi_turn: MultiTurn, episodes: list[Episode], group_size: int, engi
         prompts=[e.messages[:e.num_prompt_messages] for e in episodes],
         completions=[e.completion_messages for e in episodes],
         turn_rewards=[e.turn_rewards for e in episodes], stats=stats,
+        environment_rewards=[e.rewards for e in episodes],
+        environments=[e.environment.for_rewards() for e in episodes],
     )
 
 
@@ -239,4 +278,4 @@ def hash_seed(seed: int, turn: int) -> int:
     return (seed * 1_000_003 + turn * 7919) % (2**31 - 1)
 
 
-__all__ = ["ENDINGS", "Episode", "EpisodeBatch", "as_messages", "run_episodes"]
+__all__ = ["ENDINGS", "Episode", "EpisodeBatch", "as_messages", "run_episodes", "step_environments"]

@@ -248,11 +248,17 @@ class RolloutWorker:
                            errors_before=sum(self.rewards.error_counts.values()))
 
     def _score(self, prompts: list, completions: list, completion_ids: list[list[int]], batch: dict, group_size: int,
-               completion_lengths: list[int]) -> tuple[list, dict, Optional[list], int]:
+               completion_lengths: list[int], environments: Optional[list] = None) -> tuple[list, dict, Optional[list], int]:
         """The reward functions on one rollout: ``(totals, components, scored rows or None, errors
-        counted)``; the batch's columns repeated for each response of a group."""
+        counted)``; the batch's columns repeated for each response of a group (and, for episodes,
+        each episode's environment as ``environments``, as TRL's reward functions get them)."""
         columns = {key: [v for v in values for _ in range(group_size)] for key, values in batch["columns"].items()}
         columns["completion_lengths"] = completion_lengths
+        if environments is not None:
+            if "environments" in columns:
+                raise ConfigError("the dataset has a column 'environments', which is the argument reward functions get "
+                                  "the episodes' environments in: rename the column")
+            columns["environments"] = environments
         errors_before = sum(self.rewards.error_counts.values())
         scored = self.rewards(prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns)
         scored_rows = scored[2] if len(scored) > 2 else None
@@ -302,13 +308,21 @@ class RolloutWorker:
         # completion_lengths: the model's tokens, so no length penalty for tool output
         if episodes.agent_rewards is not None:
             total, components, scored_rows, errors = self._score_agent_episodes(episodes, model_ids, batch, group_size)
-        else:
-            total, components, scored_rows, errors = self._score(episodes.prompts, episodes.completions, model_ids, batch,
-                                                                 group_size, [len(ids) for ids in model_ids])
+        elif self.rewards is not None:
+            total, components, scored_rows, errors = self._score(
+                episodes.prompts, episodes.completions, model_ids, batch, group_size, [len(ids) for ids in model_ids],
+                environments=episodes.environments)
+        else:  # the environment scores its episodes itself (Environment.scores_episodes)
+            total, components, scored_rows, errors = [0.0] * len(model_ids), {}, None, 0
         environment = [sum(rewards) for rewards in episodes.turn_rewards]
         if any(environment):
             total = [t + e for t, e in zip(total, environment)]
             components["environment"] = environment
+        for name in sorted({name for rewards in episodes.environment_rewards or [] for name in rewards}):
+            # an environment's own named rewards of each episode (TRL's get_reward), weight 1
+            values = [rewards.get(name, 0.0) for rewards in episodes.environment_rewards]
+            total = [t + v for t, v in zip(total, values)]
+            components[name] = values
         timings["time/score"] = time.perf_counter() - start
 
         lengths = generation.lengths.tolist()

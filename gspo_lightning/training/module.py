@@ -244,10 +244,12 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         check_strategy(self.trainer.strategy)
         self.configure_model()
         group_attention_on_cpu(self.trainer.strategy.root_device)  # no key/value copies per query head
-        if self.worker.rewards is None and (self.episodes is None or self.episodes.agent is None):
+        rewards_itself = self.episodes is not None and (self.episodes.agent is not None or (
+            self.episodes.environment is not None and self.episodes.environment.scores_episodes))
+        if self.worker.rewards is None and not rewards_itself:
             raise ConfigError("no reward functions configured: set model.rewards, e.g. "
-                             "[{function: gspo_lightning.rewards.math_accuracy}] (an agent that returns rewards "
-                             "needs none)")
+                             "[{function: gspo_lightning.rewards.math_accuracy}] (an agent that returns rewards, or "
+                             "an environment that scores its episodes, e.g. a TRL class with get_reward, needs none)")
 
     def on_fit_start(self) -> None:
         self.grad_sync = GradientSync.for_strategy(self.trainer.strategy, self.trainer.world_size, self.policy, self._logprobs)

@@ -78,6 +78,25 @@ class LookupEnvironment(Environment):
         return StepResult(messages=[reply], info={"tool_calls": 1, "tool_errors": int(value is None)})
 
 
+class LookupTable:
+    """The lookup task as an environment class written for TRL's ``environment_factory``: the
+    row's table is set by ``reset(**row)`` and read by the typed tool method ``get``. Nothing in it
+    knows this trainer (configs/episodes_lookup_trl.yaml runs it as TRL's GRPOTrainer would)."""
+
+    def reset(self, table: str, **row) -> None:
+        self._table = dict(zip(KEYS, table.split()))
+        self.calls = 0
+
+    def get(self, key: str) -> str:
+        """Read the digit stored under a key of this episode's table.
+
+        Args:
+            key: One of the letters a to f.
+        """
+        self.calls += 1
+        return self._table.get(key, "error")
+
+
 def _assistant_texts(completion) -> list[str]:
     return [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
 
@@ -107,4 +126,4 @@ def lookup_call_reward(completions: list, key: list[str], **columns) -> list[flo
     return scores
 
 
-__all__ = ["KEYS", "LookupEnvironment", "WordCallParser", "lookup_answer_reward", "lookup_call_reward", "make_rows"]
+__all__ = ["KEYS", "LookupEnvironment", "LookupTable", "WordCallParser", "lookup_answer_reward", "lookup_call_reward", "make_rows"]
