@@ -83,7 +83,7 @@ class MultiTurn:
                  tool_call_parser: Optional[ToolCallParser] = None, max_concurrent: Optional[int] = None,
                  agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0,
                  batch_window_s: Optional[float] = 0.05, agent_processes: int = 0,
-                 environment_factory: Optional[str] = None, max_concurrent_tools: int = 256):
+                 environment_factory: Optional[str] = None, max_concurrent_tools: int = 512):
         given = [name for name, value in (("environment", environment), ("environment_factory", environment_factory),
                                           ("agent", agent)) if value is not None]
         if len(given) != 1:
