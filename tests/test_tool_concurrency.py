@@ -12,6 +12,7 @@ import time
 import pytest
 
 from gspo_lightning.episodes import Environment, StepResult, Tool, ToolEnvironment
+from gspo_lightning.episodes.loop import EpisodeLoop
 from gspo_lightning.rollout.episodes import step_environments
 
 running = {"now": 0, "peak": 0}
@@ -75,8 +76,7 @@ def test_a_turn_of_many_episodes_with_a_one_second_tool_costs_about_one_call(too
     template = ToolEnvironment([tool], timeout_s=5.0)
     episodes = [template.fresh() for _ in range(128)]
     start = time.perf_counter()
-    results = step_environments(episodes, [turn(call(tool.__name__, key=f"k{i}")) for i in range(128)],
-                                max_concurrent_tools=256)
+    results = step_environments(EpisodeLoop(256), episodes, [turn(call(tool.__name__, key=f"k{i}")) for i in range(128)])
     elapsed = time.perf_counter() - start
     # one after another this was 128 s; side by side it is one call and the overhead
     assert elapsed < 4.0, elapsed
@@ -89,7 +89,7 @@ def test_max_concurrent_tools_bounds_the_calls_running_at_once():
     episodes = [template.fresh() for _ in range(12)]
     messages = [turn(call("async_lookup" if i % 2 else "slow_lookup", key="x")) for i in range(12)]
     start = time.perf_counter()
-    results = step_environments(episodes, messages, max_concurrent_tools=4)
+    results = step_environments(EpisodeLoop(4), episodes, messages)
     elapsed = time.perf_counter() - start
     assert running["peak"] == 4  # plain and async calls share the bound
     assert 2.9 < elapsed < 6.0, elapsed  # 12 calls of 1 s, 4 at a time: 3 rounds
@@ -101,7 +101,7 @@ def test_parallel_calls_run_one_turns_calls_together_and_keep_their_order():
     for parallel, lowest, highest in [(True, 0.9, 1.9), (False, 2.9, 4.5)]:
         environment = ToolEnvironment([slow_lookup, async_lookup], timeout_s=5.0, parallel_calls=parallel)
         start = time.perf_counter()
-        result = step_environments([environment.fresh()], [message], max_concurrent_tools=8)[0]
+        result = step_environments(EpisodeLoop(8), [environment.fresh()], [message])[0]
         assert lowest < time.perf_counter() - start < highest, parallel
         assert [m["content"] for m in result.messages] == ["A", "B", "C"]
 
@@ -124,7 +124,7 @@ def test_an_async_tool_is_cancelled_at_its_timeout():
 
     environment = ToolEnvironment([stuck], timeout_s=0.2)
     start = time.perf_counter()
-    result = step_environments([environment], [turn(call("stuck", seconds=30))], max_concurrent_tools=4)[0]
+    result = step_environments(EpisodeLoop(4), [environment], [turn(call("stuck", seconds=30))])[0]
     assert time.perf_counter() - start < 2.0
     assert result.messages[0]["content"] == "Error: stuck timed out after 0.2 s"
     assert result.info["tool_timeouts"] == 1 and stopped == [True]  # not left running
@@ -176,7 +176,34 @@ def test_plain_step_methods_run_in_threads_side_by_side_and_a_failure_stays_with
     environments = [SlowGuess() for _ in range(16)]
     messages = [{"role": "assistant", "content": "boom" if i == 3 else "5"} for i in range(16)]
     start = time.perf_counter()
-    results = step_environments(environments, messages, max_concurrent_tools=16)
+    results = step_environments(EpisodeLoop(16), environments, messages)
     assert time.perf_counter() - start < 3.0  # 8 s one after another
     assert isinstance(results[3], ValueError)
     assert all(isinstance(r, StepResult) for i, r in enumerate(results) if i != 3)
+
+
+class Connected(Environment):
+    """An environment that opens something bound to the event loop in areset (an OpenEnv client's
+    WebSocket is one) and uses it at every later turn."""
+
+    async def areset(self, row: dict, prompt: list[dict]) -> list[dict]:
+        self.loop, self.sent = asyncio.get_running_loop(), asyncio.Queue()
+        return prompt
+
+    async def astep(self, assistant_message: dict) -> StepResult:
+        assert asyncio.get_running_loop() is self.loop  # the loop it connected on
+        await self.sent.put(assistant_message["content"])
+        return StepResult(messages=[{"role": "user", "content": "more"}])
+
+    async def afinish(self) -> dict[str, float]:
+        return {"sent": float(self.sent.qsize())}
+
+
+def test_what_an_environment_opens_in_areset_serves_it_for_every_turn():
+    loop = EpisodeLoop(8)
+    environments = [Connected() for _ in range(4)]
+    loop.gather(lambda e=e: e.areset({}, []) for e in environments)
+    for _ in range(3):  # three turns
+        results = step_environments(loop, environments, [{"role": "assistant", "content": "x"}] * 4)
+        assert all(isinstance(r, StepResult) for r in results), results
+    assert loop.gather(e.afinish for e in environments) == [{"sent": 3.0}] * 4

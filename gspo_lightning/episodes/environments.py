@@ -58,16 +58,26 @@ class Environment:
         """Answer one assistant turn ``{"role": "assistant", "content": text}``."""
         raise NotImplementedError(f"{type(self).__name__} must implement step(assistant_message) -> StepResult")
 
-    async def astep(self, assistant_message: dict) -> StepResult:
-        """:meth:`step` as the episode runner calls it, every live episode's at once. The default
-        runs ``step`` in the runner's thread pool (``episodes.max_concurrent_tools`` threads);
-        override it to await instead (async tools, an environment behind a connection)."""
-        return await asyncio.to_thread(self.step, assistant_message)
-
     def rewards(self) -> dict[str, float]:
         """Named rewards of the finished episode, each added to its reward and logged as
         ``reward/<name>`` (an environment that scores episodes itself); default none."""
         return {}
+
+    # How the episode runner calls the three, every episode's at once on the run's event loop
+    # (episodes/loop.py). The defaults run the plain methods in its thread pool; override them to
+    # await instead (async tools, an environment behind a connection opened in areset).
+    async def areset(self, row: dict, prompt: list[dict]) -> list[dict]:
+        """:meth:`reset`, awaited."""
+        return await asyncio.to_thread(self.reset, row, prompt)
+
+    async def astep(self, assistant_message: dict) -> StepResult:
+        """:meth:`step`, awaited."""
+        return await asyncio.to_thread(self.step, assistant_message)
+
+    async def afinish(self) -> dict[str, float]:
+        """Once, when the episode has ended: :meth:`rewards`; override to also release what the
+        episode holds (a connection, a sandbox)."""
+        return await asyncio.to_thread(self.rewards)
 
     def for_rewards(self) -> object:
         """What reward functions get for this episode in ``environments=`` (default: the environment)."""

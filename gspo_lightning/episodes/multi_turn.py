@@ -15,6 +15,7 @@ import torch
 from gspo_lightning._imports import import_callable
 from gspo_lightning.episodes.environments import Environment
 from gspo_lightning.episodes.factory import FactoryEnvironment
+from gspo_lightning.episodes.loop import EpisodeLoop
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
 from gspo_lightning.errors import ConfigError
@@ -93,6 +94,7 @@ class MultiTurn:
         if max_concurrent_tools < 1:
             raise ConfigError(f"model.episodes.max_concurrent_tools must be >= 1, got {max_concurrent_tools}")
         self.max_concurrent_tools = max_concurrent_tools
+        self.loop = EpisodeLoop(max_concurrent_tools)  # where the environments' calls run
         if max_concurrent is not None and max_concurrent < 1:
             raise ConfigError(f"model.episodes.max_concurrent must be >= 1 or null (the whole rollout batch), got {max_concurrent}")
         if not agent_timeout_s > 0:

@@ -22,18 +22,16 @@ imports no engine.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass, field
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
 
 from gspo_lightning.episodes.environments import Environment
+from gspo_lightning.episodes.loop import EpisodeLoop
 from gspo_lightning.episodes.messages import StepResult
 from gspo_lightning.episodes.multi_turn import MultiTurn
-from gspo_lightning.episodes.tools import tool_slots
 from gspo_lightning.errors import ConfigError, EpisodeError
 from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
@@ -123,17 +121,21 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
     if multi_turn.renderer is None:
         raise RuntimeError("MultiTurn.start(tokenizer) must be called before run_episodes()")
     budget = params.max_new_tokens
+    loop = multi_turn.loop
+    environments = [multi_turn.environment.fresh() for _ in rows for _ in range(group_size)]  # an episode's own state
+    starts = [(dict(row), as_messages(prompt)) for prompt, row in zip(prompts, rows) for _ in range(group_size)]
+    conversations = loop.gather(lambda e=e, s=s: e.areset(*s) for e, s in zip(environments, starts))
+    failed = next((c for c in conversations if isinstance(c, BaseException)), None)
+    if failed is not None:
+        raise failed
     episodes = []
-    for prompt, row in zip(prompts, rows):
-        for _ in range(group_size):
-            environment = multi_turn.environment.fresh()  # an episode's own state
-            messages = environment.reset(dict(row), as_messages(prompt))
-            ids = multi_turn.renderer.prompt_ids(messages)
-            if multi_turn.prompt_length is not None and len(ids) > multi_turn.prompt_length:
-                raise ConfigError(f"an episode's prompt is {len(ids)} tokens (the row's prompt with the environment's "
-                                 f"first messages and the tools' description), more than data.prompt_length="
-                                 f"{multi_turn.prompt_length}: raise data.prompt_length to at least {len(ids)}")
-            episodes.append(Episode(environment, messages, ids, len(messages)))
+    for environment, messages in zip(environments, conversations):
+        ids = multi_turn.renderer.prompt_ids(messages)
+        if multi_turn.prompt_length is not None and len(ids) > multi_turn.prompt_length:
+            raise ConfigError(f"an episode's prompt is {len(ids)} tokens (the row's prompt with the environment's "
+                             f"first messages and the tools' description), more than data.prompt_length="
+                             f"{multi_turn.prompt_length}: raise data.prompt_length to at least {len(ids)}")
+        episodes.append(Episode(environment, messages, ids, len(messages)))
     groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
     # the usual case: every episode of a group starts from the same prompt, sampled as one group
     same_start = all(e.prompt_ids == group[0].prompt_ids for group in groups for e in group)
@@ -162,6 +164,7 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
             generation = engine.generate([e.prompt_ids + e.ids for e in live], 1, turn_params, turn_seed)
         versions.append(generation.weights_version)
         _take_turn(multi_turn, live, generation, budget)
+        _finish(loop, [e for e in live if e.ending is not None])
     batch = _batch(multi_turn, episodes, group_size, engine)
     # weights pushed between turns (another rank's push to a shared server) make turns of other
     # versions: the episodes are as old as their oldest turn, as a reply from several servers is
@@ -186,8 +189,7 @@ def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generatio
             continue
         stepping.append(episode)
         cut_turns[id(episode)] = cut
-    results = step_environments([e.environment for e in stepping], [e.messages[-1] for e in stepping],
-                                multi_turn.max_concurrent_tools)
+    results = step_environments(multi_turn.loop, [e.environment for e in stepping], [e.messages[-1] for e in stepping])
     for episode, result in zip(stepping, results):
         if isinstance(result, BaseException):  # user code: reported with the episode's context
             if multi_turn.on_environment_error == "raise" or not isinstance(result, Exception):
@@ -215,31 +217,26 @@ def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generatio
 
 
 def _end(episode: Episode, ending: str, turn_reward: bool = True) -> None:
-    """End ``episode`` (``turn_reward``: its last turn got no environment reply, so it scores 0
-    there) and collect the environment's own rewards of it."""
+    """End ``episode`` (``turn_reward``: its last turn got no environment reply, so it scores 0 there)."""
     if turn_reward:
         episode.turn_rewards.append(0.0)
     episode.ending = ending
-    episode.rewards = {name: float(value) for name, value in episode.environment.rewards().items()}
 
 
-def step_environments(environments: list[Environment], messages: list[dict], max_concurrent_tools: int
+def _finish(loop: EpisodeLoop, ended: list[Episode]) -> None:
+    """The environments' own rewards of the episodes that just ended (``Environment.afinish``)."""
+    for episode, rewards in zip(ended, loop.gather(e.environment.afinish for e in ended)):
+        if isinstance(rewards, BaseException):
+            raise EpisodeError(f"the environment {type(episode.environment).__name__} raised when its episode ended "
+                               f"({type(rewards).__name__}: {rewards})") from rewards
+        episode.rewards = {name: float(value) for name, value in rewards.items()}
+
+
+def step_environments(loop: EpisodeLoop, environments: list[Environment], messages: list[dict]
                       ) -> list[StepResult | BaseException]:
-    """``environment.astep(message)`` of every episode at once, on one event loop: what each
-    returned, or what it raised. At most ``max_concurrent_tools`` tool calls run at once, and as
-    many threads run plain ``step`` methods."""
-    if not environments:
-        return []
-
-    async def main() -> list:
-        loop = asyncio.get_running_loop()
-        # asyncio.run shuts this pool down when the turn's steps are done
-        loop.set_default_executor(ThreadPoolExecutor(max_concurrent_tools, thread_name_prefix="environment-step"))
-        tool_slots.set(asyncio.Semaphore(max_concurrent_tools))
-        return await asyncio.gather(*(environment.astep(message) for environment, message in zip(environments, messages)),
-                                    return_exceptions=True)
-
-    return asyncio.run(main())
+    """``environment.astep(message)`` of every episode at once on the run's loop: what each
+    returned, or what it raised."""
+    return loop.gather(lambda e=e, m=m: e.astep(m) for e, m in zip(environments, messages))
 
 
 def _batch(multi_turn: MultiTurn, episodes: list[Episode], group_size: int, engine: RolloutEngine) -> EpisodeBatch:
