@@ -12,6 +12,8 @@ EXPORTS = {
     **dict.fromkeys(["HermesToolCallParser", "ParsedTurn", "ToolCall", "ToolCallParser"], "parsers"),
     **dict.fromkeys(["Environment", "ToolEnvironment"], "environments"),
     "FactoryEnvironment": "factory",
+    "SkyRLEnvironment": "skyrl",
+    "EpisodeLoop": "loop",
     **dict.fromkeys(["ChatRenderer", "DEFAULT_TOOLS_SYSTEM_PROMPT", "TemplateNotAppendOnly"], "template"),
     **dict.fromkeys(["MultiTurn", "check_episode_objective"], "multi_turn"),
 }
