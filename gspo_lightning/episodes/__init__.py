@@ -13,6 +13,7 @@ EXPORTS = {
     **dict.fromkeys(["Environment", "ToolEnvironment"], "environments"),
     "FactoryEnvironment": "factory",
     "SkyRLEnvironment": "skyrl",
+    "OpenEnvEnvironment": "openenv",
     "EpisodeLoop": "loop",
     **dict.fromkeys(["ChatRenderer", "DEFAULT_TOOLS_SYSTEM_PROMPT", "TemplateNotAppendOnly"], "template"),
     **dict.fromkeys(["MultiTurn", "check_episode_objective"], "multi_turn"),

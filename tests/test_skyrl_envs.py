@@ -1,6 +1,5 @@
-"""Environments from the ecosystem through their adapters, with the real packages: SkyRL-gym
-(``SkyRLEnvironment``) and OpenEnv (``OpenEnvEnvironment``). Each test skips where its package
-is absent; CI installs the extras (``.[skyrl,openenv]``)."""
+"""SkyRL-gym environments through ``SkyRLEnvironment``, with the real package (``skyrl-gym``) on its
+own example environments; skipped where the package is absent (CI installs ``.[skyrl]``)."""
 
 from __future__ import annotations
 
@@ -117,3 +116,4 @@ def test_a_skyrl_gym_environment_trains_through_gspo_fit_with_no_reward_function
     endings = ("done", "max_turns", "budget", "turn_tokens", "environment_error")
     assert all(sum(r[f"episode/ended_{e}"] for e in endings) == pytest.approx(1.0) for r in rows)
     assert all(r["episode/ended_environment_error"] == 0 for r in rows)
+
