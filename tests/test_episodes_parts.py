@@ -544,3 +544,25 @@ def test_the_parts_assemble_an_episode_token_in_token_out():
     assert tokenizer.decode(ids) == renderer.render(messages, add_generation_prompt=False).removesuffix("\n")
     assert sum(mask) == sum(len(encode(tokenizer, t)) + 1 for t in (TURN, call("divide", a=5, b=0), "It is 5."))
     assert ids == encode(tokenizer, renderer.render(messages, add_generation_prompt=False))[:-1]  # all but the final "\n"
+
+
+def test_words_a_tiny_tokenizer_does_not_know_are_named_a_warning_in_prompts_and_an_error_in_replies(caplog):
+    """A tiny word-level vocabulary reads a word it does not know as <unk>: a prompt (a tool schema
+    shown in words it lacks) is warned about once, with the count; a reply is refused, naming the
+    words (not a prefix-space problem)."""
+    import logging
+
+    from gspo_lightning.models.tiny import build_tokenizer as build_tiny_tokenizer
+    from gspo_lightning.models.tiny import get_spec
+
+    renderer = ChatRenderer(build_tiny_tokenizer(get_spec("tiny-lookup")), end_of_turn="")
+    with caplog.at_level(logging.WARNING, logger="gspo_lightning.episodes.template"):
+        renderer.prompt_ids([{"role": "user", "content": "find c please now"}])
+        renderer.prompt_ids([{"role": "user", "content": "find d quickly"}])
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings  # once per run
+    assert "has 2 tokens the tokenizer does not know ('now', 'please')" in warnings[0]
+    assert "system_prompt_for_tools: null" in warnings[0]
+    before = [{"role": "user", "content": "find c"}, {"role": "assistant", "content": "get c"}]
+    with pytest.raises(ValueError, match=r"has words the tokenizer does not know \('Error:', 'unknown'\)"):
+        renderer.continuation_ids(before, [{"role": "tool", "content": "Error: unknown c"}])

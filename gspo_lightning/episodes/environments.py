@@ -116,11 +116,11 @@ class ToolEnvironment(Environment):
                  timeout_s: float = 5.0, max_calls_per_turn: int = 4, first_messages: Optional[list[dict]] = None,
                  parallel_calls: bool = False, max_hung_calls: int = 8, error_reply: str = "Error: {error}"):
         if timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+            raise ConfigError(f"model.episodes.environment.init_args.timeout_s must be positive, got {timeout_s}")
         if max_calls_per_turn < 1:
-            raise ConfigError(f"max_calls_per_turn must be at least 1, got {max_calls_per_turn}")
+            raise ConfigError(f"model.episodes.environment.init_args.max_calls_per_turn must be at least 1, got {max_calls_per_turn}")
         if max_hung_calls < 1:
-            raise ConfigError(f"max_hung_calls must be at least 1, got {max_hung_calls}")
+            raise ConfigError(f"model.episodes.environment.init_args.max_hung_calls must be at least 1, got {max_hung_calls}")
         self.tools: dict[str, Tool] = {tool.name: tool for tool in load_tools(tools, max_hung=max_hung_calls)}
         self.parser = parser if parser is not None else HermesToolCallParser()
         self.timeout_s = timeout_s
@@ -129,7 +129,7 @@ class ToolEnvironment(Environment):
         self.error_reply = error_reply
         self.first_messages = [dict(m) for m in first_messages or []]
         if any(not isinstance(m.get("role"), str) or "content" not in m for m in self.first_messages):
-            raise ConfigError("first_messages must be chat messages, each with a role and a content")
+            raise ConfigError("model.episodes.environment.init_args.first_messages must be chat messages, each with a role and a content")
 
     @property
     def tools_schema(self) -> list[dict]:
