@@ -5,6 +5,8 @@ that subcommand needs.
   evaluation (``run/command.py``, a LightningCLI: imports torch, Lightning, transformers);
 - ``gspo serve --config cfg.yaml [--host H --port P]``: a rollout server
   (``run/serve.py``: parses its arguments before it imports torch);
+- ``gspo export-model --model NAME --out DIR``: a model as a folder transformers and
+  ``vllm serve`` load (``run/export.py``);
 - ``gspo``, ``gspo --help``, ``gspo --version``: answered here, with nothing imported.
 """
 
@@ -18,7 +20,7 @@ from gspo_lightning.run.cpu_env import configure_cpu_env
 
 TRAINING_COMMANDS = ("fit", "validate", "test")
 
-USAGE = f"""usage: gspo {{fit,validate,test,serve}} [options]
+USAGE = f"""usage: gspo {{fit,validate,test,serve,export-model}} [options]
 
 GSPO (Group Sequence Policy Optimization) for language models, on Lightning ({__version__}).
 
@@ -27,6 +29,8 @@ commands:
   validate   held-out evaluation (pass@k) of a model or a checkpoint (--ckpt_path)
   test       evaluation on the test split
   serve      a rollout server for gspo fit: gspo serve --config cfg.yaml [--host H --port P]
+  export-model  a model as a folder transformers and vllm serve load:
+             gspo export-model --model builtin:tiny-successor --out DIR (or --checkpoint last.ckpt)
 
 options:
   -h, --help  this message; `gspo fit --help`: the keys most runs change, by concern;
@@ -52,6 +56,11 @@ def main(args: Optional[list[str]] = None) -> None:
         from gspo_lightning.run.serve import main as serve
 
         serve(argv[1:])
+        return
+    if command == "export-model":
+        from gspo_lightning.run.export import main as export_model
+
+        export_model(argv[1:])
         return
     if command == "fit" and any(a in ("-h", "--help") for a in argv[1:]):
         from gspo_lightning.run.help import FIT_HELP  # text only: no torch, no Lightning

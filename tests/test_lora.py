@@ -187,7 +187,7 @@ def test_both_exports_load_the_way_users_load_them(base_folder, tmp_path):
     torch.testing.assert_close(logits(merged, IDS), expected, rtol=1e-5, atol=1e-5)
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder), hf_model / "adapter")
     torch.testing.assert_close(logits(adapted, IDS), expected, rtol=1e-5, atol=1e-5)
-    # the same two from the checkpoint (python -m gspo_lightning.run.export)
+    # the same two from the checkpoint (gspo export-model --checkpoint)
     out = export_checkpoint(next(Path(tmp_path).rglob("*.ckpt")), tmp_path / "from_ckpt")
     torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out), IDS), expected, rtol=1e-5, atol=1e-5)
     assert (out / "adapter" / "adapter_config.json").is_file()

@@ -54,7 +54,7 @@ def test_recipe_runs_a_step_and_its_export_round_trips(tmp_path, monkeypatch):
 
     original = load_tokenizer("builtin:smollm2-135m-instruct")
     from_ckpt = export_checkpoint(next((tmp_path / "runs" / "smollm2_cpu").rglob("last.ckpt")), tmp_path / "export")
-    for folder in (run / "hf_model", from_ckpt):  # export_on_fit_end's folder and `python -m gspo_lightning.run.export`
+    for folder in (run / "hf_model", from_ckpt):  # export_on_fit_end's folder and `gspo export-model --checkpoint`
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         assert tokenizer.chat_template == original.chat_template

@@ -1,7 +1,9 @@
-"""The trained policy as a Hugging Face folder (safetensors + tokenizer) that
-transformers and vLLM load directly.
+"""A model as a Hugging Face folder (safetensors + tokenizer) that transformers and a stock
+``vllm serve`` load directly: the trained policy after a fit, a checkpoint, or any model the
+trainer loads (``builtin:`` ones, GGUF files) before training:
 
-    python -m gspo_lightning.run.export runs/.../last.ckpt exported/
+    gspo export-model --model builtin:tiny-successor --out models/tiny-successor
+    gspo export-model --checkpoint runs/.../last.ckpt --out exported/
 """
 
 from __future__ import annotations
@@ -147,12 +149,50 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     return save_policy(policy, tokenizer, out_dir)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt_path", help="a GSPOModule checkpoint (last.ckpt)")
-    parser.add_argument("out_dir", help="folder for config.json, model.safetensors and the tokenizer")
-    args = parser.parse_args()
-    print(f"exported to {export_checkpoint(args.ckpt_path, args.out_dir)}")
+def export_model(name_or_path: str, out_dir: str | Path, dtype: str = "float32", gguf_file: str | None = None,
+                 trust_remote_code: bool = False, seed: int = 0) -> Path:
+    """The model ``gspo fit`` would load for ``model_name_or_path`` (a ``builtin:`` model built
+    here, its random weights drawn after ``torch.manual_seed(seed)``; a GGUF file converted; a
+    folder), written as a folder ``vllm serve`` loads."""
+    from gspo_lightning.models.gguf import resolve_model
+    from gspo_lightning.models.loading import load_policy, load_tokenizer
+
+    name = resolve_model(name_or_path, gguf_file)
+    tokenizer = load_tokenizer(name, trust_remote_code)
+    torch.manual_seed(seed)  # a builtin model's random weights: the same for the same seed
+    policy = load_policy(name, tokenizer, dtype, None, trust_remote_code)
+    return save_policy(policy, tokenizer, out_dir)
+
+
+def _empty_or_new(folder: str) -> Path:
+    path = Path(folder)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(f"--out {folder} exists and is not an empty folder: export into a new folder (nothing "
+                          "is overwritten)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="gspo export-model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a model the trainer loads: builtin:<name>, a folder, a .gguf file, a hub id")
+    source.add_argument("--checkpoint", help="a gspo checkpoint (last.ckpt): the policy it holds")
+    parser.add_argument("--out", required=True, help="a new (or empty) folder for config.json, model.safetensors, "
+                                                     "the tokenizer")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the weights' dtype (--model only; default float32)")
+    parser.add_argument("--gguf-file", help="the file inside a GGUF repository (--model only)")
+    parser.add_argument("--seed", type=int, default=0, help="a builtin model's random weights are drawn after "
+                                                           "seeding with it (--model only; default 0)")
+    args = parser.parse_args(argv)
+    out = _empty_or_new(args.out)
+    if args.checkpoint:
+        folder = export_checkpoint(args.checkpoint, out)
+    else:
+        folder = export_model(args.model, out, args.dtype, args.gguf_file, seed=args.seed)
+    print(f"exported to {folder}: load it with transformers' Auto classes, or serve it: "
+          f"python -m vllm.entrypoints.openai.api_server --model {folder}")
 
 
 if __name__ == "__main__":
