@@ -136,23 +136,34 @@ def test_ctrl_c_at_an_evaluation_step_then_resume_keeps_every_row_and_evaluation
     assert_one_numbering(run, 20, 10)
 
 
-def test_unknown_keys_and_bad_values_are_one_line_naming_the_fix(tmp_path):
-    out = gspo("fit", "--config", QUICKSTART, "--model.update.ppo_epoks=2")
+def in_process(capsys, *args) -> tuple[int, str]:
+    """``gspo *args`` run in this process (no interpreter start, no torch import): its exit code and stderr."""
+    from gspo_lightning.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_unknown_keys_and_bad_values_are_one_line_naming_the_fix(tmp_path, capsys):
+    out = gspo("fit", "--config", QUICKSTART, "--model.update.ppo_epoks=2")  # the command itself, once
     assert out.returncode == 2
     assert out.stderr.strip() == ("gspo: error: unknown key model.update.ppo_epoks: did you mean model.update.ppo_epochs? "
                                   "(gspo fit --help lists the keys)")
-    out = gspo("fit", "--config", QUICKSTART, "--model.clip_hihg=4e-4")  # a flat key of earlier releases, misspelled
-    assert out.returncode == 2
-    assert out.stderr.strip() == ("gspo: error: unknown key model.clip_hihg: did you mean model.clip_high? "
-                                  "(gspo fit --help lists the keys)")
+    # the others in process: the same code path after the interpreter starts
+    code, err = in_process(capsys, "fit", "--config", QUICKSTART, "--model.clip_hihg=4e-4")  # a flat key of earlier releases, misspelled
+    assert code == 2
+    assert err.strip() == ("gspo: error: unknown key model.clip_hihg: did you mean model.clip_high? "
+                           "(gspo fit --help lists the keys)")
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(QUICKSTART).read_text().replace("    response_length: 6", "    response_lenght: 6"))
-    out = gspo("fit", "--config", str(bad))
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+    code, err = in_process(capsys, "fit", "--config", str(bad))
+    assert code == 2 and err.strip().splitlines() == [
         "gspo: error: unknown key model.rollout.response_lenght: did you mean model.rollout.response_length? (gspo fit --help lists the keys)"]
-    out = gspo("fit", "--config", QUICKSTART, "--trainer.max_steps=-5", f"--trainer.default_root_dir={tmp_path}")
-    errors = [line for line in out.stderr.splitlines() if "error" in line]
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    code, err = in_process(capsys, "fit", "--config", QUICKSTART, "--trainer.max_steps=-5", f"--trainer.default_root_dir={tmp_path}")
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert code == 2 and "Traceback" not in err
     assert errors == ["gspo: error: `max_steps` must be a non-negative integer or -1 (infinite steps). You passed in -5."]
 
 
