@@ -164,10 +164,9 @@ def reads_reward(completions, environments, **columns):
     return [float(e.reads) for e in environments]
 
 
-def test_a_trl_class_through_gspo_fit_its_get_reward_and_environments_for_reward_functions(tmp_path):
-    from gspo_lightning.cli import main
-
-    path = lookup_config(tmp_path)
+def counting_table_config(folder, **edit) -> str:
+    """The lookup recipe's test config with CountingTable as its environment (``edit``: what to change)."""
+    path = lookup_config(folder)
     config = yaml.safe_load(path.read_text())
     config["model"]["episodes"] = {
         "environment": {"class_path": "gspo_lightning.episodes.FactoryEnvironment",
@@ -175,9 +174,20 @@ def test_a_trl_class_through_gspo_fit_its_get_reward_and_environments_for_reward
                                       "parser": {"class_path": "gspo_lightning.data.tasks.lookup.WordCallParser"},
                                       "error_reply": "error"}},
         "max_turns": 3, "max_turn_tokens": 3, "end_of_turn": "", "system_prompt_for_tools": None}
-    config["model"]["rewards"] = [{"function": "tests.test_trl_environments.reads_reward", "weight": 0.5}]
+    if "rewards" in edit:
+        config["model"].pop("rewards")
+        if edit["rewards"] is not None:
+            config["model"]["rewards"] = edit["rewards"]
+    config["trainer"]["max_steps"] = edit.get("max_steps", config["trainer"]["max_steps"])
     path.write_text(yaml.safe_dump(config))
-    main(["fit", "--config", str(path)])
+    return str(path)
+
+
+def test_a_trl_class_through_gspo_fit_its_get_reward_and_environments_for_reward_functions(tmp_path):
+    from gspo_lightning.cli import main
+
+    main(["fit", "--config", counting_table_config(
+        tmp_path, rewards=[{"function": "tests.test_trl_environments.reads_reward", "weight": 0.5}])])
     rows = logged(tmp_path)
     assert len(rows) == 2
     for row in rows:
@@ -189,17 +199,6 @@ def test_a_trl_class_through_gspo_fit_its_get_reward_and_environments_for_reward
 def test_a_trl_class_with_get_reward_needs_no_reward_functions(tmp_path):
     from gspo_lightning.cli import main
 
-    path = lookup_config(tmp_path)
-    config = yaml.safe_load(path.read_text())
-    config["model"]["episodes"] = {
-        "environment": {"class_path": "gspo_lightning.episodes.FactoryEnvironment",
-                        "init_args": {"factory": "tests.test_trl_environments.CountingTable",
-                                      "parser": {"class_path": "gspo_lightning.data.tasks.lookup.WordCallParser"},
-                                      "error_reply": "error"}},
-        "max_turns": 3, "max_turn_tokens": 3, "end_of_turn": "", "system_prompt_for_tools": None}
-    del config["model"]["rewards"]
-    config["trainer"]["max_steps"] = 1
-    path.write_text(yaml.safe_dump(config))
-    main(["fit", "--config", str(path)])
+    main(["fit", "--config", counting_table_config(tmp_path, rewards=None, max_steps=1)])
     assert [row["reward/CountingTable"] == row["reward/mean"] for row in logged(tmp_path)] == [True]
 
