@@ -18,7 +18,7 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_one():
     blocks = [b.strip() for b in readme.split("```bash")[1:3]]
     commands = [b.split("```")[0].strip() for b in blocks]
     assert commands[0].endswith("gspo fit --config configs/quickstart.yaml")
-    assert commands[1].endswith("python -m pytest -q -n 2")
+    assert commands[1].endswith("python -m pytest -q -n 2 --dist worksteal")
     ci = (ROOT / ".ci" / "run").read_text()
     assert f"\n{commands[1].rpartition(' && ')[2]}\n" in ci and "torch==2.13.0" in ci
 
