@@ -168,7 +168,7 @@ class Tool:
                                 "timeout", kind="timeout")
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
-        state = {"timed_out": False}
+        state: dict[str, Any] = {"timed_out": False}
 
         def settle(outcome: tuple) -> None:
             if not finished.done():
@@ -180,10 +180,11 @@ class Tool:
                 outcome = ("value", asyncio.run(result) if inspect.iscoroutine(result) else result)
             except BaseException as err:  # noqa: BLE001 - whatever it raises is the tool's reply
                 outcome = ("error", err)
-            with hung.lock:
+            with hung.lock:  # the waiter's timeout and this end are decided under one lock
                 if state["timed_out"]:
                     hung.count -= 1
                     return
+                state["outcome"] = outcome
             try:
                 loop.call_soon_threadsafe(settle, outcome)
             except RuntimeError:  # the loop that waited is gone
@@ -194,8 +195,8 @@ class Tool:
             kind, value = await asyncio.wait_for(asyncio.shield(finished), timeout_s)
         except asyncio.TimeoutError:
             with hung.lock:
-                if finished.done():  # it finished as the wait ended
-                    kind, value = finished.result()
+                if "outcome" in state:  # it finished as the wait ended
+                    kind, value = state["outcome"]
                 else:
                     state["timed_out"] = True
                     hung.count += 1
