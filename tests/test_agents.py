@@ -307,8 +307,8 @@ def test_the_agent_in_docs_agents_md_runs(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_lookup_agent_learns_to_its_built_in_twins_held_out_accuracy(tmp_path):
-    """configs/agent_lookup.yaml as shipped, through `gspo fit`, with the seed and steps of its
-    built-in twin's test (tests/test_episodes.py::test_the_lookup_recipe_learns_to_call_the_tool_and_copy_its_reply):
+    """configs/agent_lookup.yaml as shipped, through `gspo fit`, with seed 1 and 150 steps (its
+    built-in twin, configs/episodes_lookup_trl.yaml, learns the same task in CI's vLLM stage):
     the plain-openai agent's model learns from random weights to held-out accuracy >= 0.9 by
     step 150, evaluated through the agent, with every call matched to the record (no fork), no
     failed episode, and the trainer scoring the recorded tokens as the engine did. The recipe's
