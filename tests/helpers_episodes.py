@@ -86,7 +86,7 @@ def logged(folder: Path) -> list[dict]:
     return rows
 
 
-_failures = {"environment_steps": 0, "engine_calls": 0}
+_failures = {"environment_steps": 0, "engine_calls": 0, "environment_resets": 0}
 
 
 class FailsOnceEnvironment(LookupEnvironment):
@@ -98,6 +98,17 @@ class FailsOnceEnvironment(LookupEnvironment):
         if _failures["environment_steps"] == 20:
             raise ConnectionError("the sandbox went away")
         return super().step(assistant_message)
+
+
+class ResetFailsOnceEnvironment(LookupEnvironment):
+    """The lookup environment with an async start that fails once: its 20th ``areset`` of the
+    process (in the second step of a 4 x 4 lookup run), as a server refusing a session would."""
+
+    async def areset(self, row: dict, prompt: list[dict]) -> list[dict]:
+        _failures["environment_resets"] += 1
+        if _failures["environment_resets"] == 20:
+            raise ConnectionError("the environment server refused the session")
+        return self.reset(row, prompt)
 
 
 class FailsOnceEngine(RolloutEngine):

@@ -18,6 +18,8 @@ def _fit(config, *extra):
 @pytest.mark.parametrize("model, cause", [
     ({"episodes": {"environment": {"class_path": "tests.helpers_episodes.FailsOnceEnvironment"}, "max_turns": 3,
                    "max_turn_tokens": 3, "end_of_turn": ""}}, "EpisodeError: the environment FailsOnceEnvironment raised"),
+    ({"episodes": {"environment": {"class_path": "tests.helpers_episodes.ResetFailsOnceEnvironment"}, "max_turns": 3,
+                   "max_turn_tokens": 3, "end_of_turn": ""}}, "ConnectionError: the environment server refused the session"),
     ({"engine": {"class_path": "tests.helpers_episodes.FailsOnceEngine"}}, "RuntimeError: CUDA error"),
 ])
 def test_a_rollout_that_fails_keeps_the_finished_steps_and_resumes(tmp_path, capsys, model, cause):
