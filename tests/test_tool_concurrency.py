@@ -207,3 +207,21 @@ def test_what_an_environment_opens_in_areset_serves_it_for_every_turn():
         results = step_environments(loop, environments, [{"role": "assistant", "content": "x"}] * 4)
         assert all(isinstance(r, StepResult) for r in results), results
     assert loop.gather(e.afinish for e in environments) == [{"sent": 3.0}] * 4
+
+
+class WhereStepped(Environment):
+    def step(self, assistant_message: dict) -> StepResult:
+        return StepResult(messages=[], info={"thread": threading.current_thread().name})
+
+
+class WhereSteppedQuick(WhereStepped):
+    blocking = False
+
+
+def test_plain_methods_run_in_threads_unless_the_environment_says_they_never_wait():
+    loop = EpisodeLoop(4)
+    message = {"role": "assistant", "content": "x"}
+    slow, quick = step_environments(loop, [WhereStepped(), WhereSteppedQuick()], [message, message])
+    assert slow.info["thread"].startswith("environment")  # the loop's pool: a step may wait on I/O
+    assert quick.info["thread"] == "episode-loop"  # blocking = False: on the loop, no thread per call
+    assert loop.gather([WhereStepped().afinish]) == [{}]  # no rewards(): nothing to run

@@ -59,6 +59,8 @@ class LookupEnvironment(Environment):
     """Answers ``get <key>`` with the row's digit for that key; an unknown key gets ``tool: error``
     (counted). A turn that is not a call ends the episode: it is the answer."""
 
+    blocking = False  # a table lookup: stepped on the runner's loop, no thread per call
+
     def __init__(self, parser: Optional[ToolCallParser] = None):
         self.parser = parser if parser is not None else WordCallParser()
         self.table: dict[str, str] = {}
