@@ -118,6 +118,11 @@ class FactoryEnvironment(ToolEnvironment):
             reward = asyncio.run(reward)
         return {self.name: float(reward)}
 
+    async def afinish(self) -> dict[str, float]:
+        if not self.scores_episodes:  # no get_reward: nothing to run in a thread
+            return {}
+        return await super().afinish()
+
     def for_rewards(self) -> Any:
         return self.instance
 
