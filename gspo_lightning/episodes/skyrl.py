@@ -25,6 +25,7 @@ columns; for a dataset with a plain answer column, ``ground_truth_column`` build
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any, Optional
 
@@ -95,8 +96,8 @@ class SkyRLEnvironment(Environment):
         return StepResult(messages=[dict(m) for m in output["observations"]], reward=float(output["reward"] or 0.0),
                           done=bool(output["done"]), info=info)
 
-    def rewards(self) -> dict[str, float]:
-        self.env.close()  # the episode has ended: its rewards came turn by turn
+    async def afinish(self) -> dict[str, float]:
+        await asyncio.to_thread(self.env.close)  # the episode has ended; its rewards came turn by turn
         return {}
 
 
