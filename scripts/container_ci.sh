@@ -58,6 +58,8 @@ cleanup() {
     $SUDO rm -rf "$WORK"
     if [ $rc -ne 0 ]; then
         report
+        # a full disk fails far from its cause (podman: "read/write on closed pipe")
+        echo "=== disk"; df -h / /tmp /var/lib/containers /var/tmp 2>/dev/null | awk 'NR == 1 || !seen[$1]++'
         echo "=== container CI FAILED in part: $PART (exit $rc)" >&2
     fi
     exit $rc
