@@ -19,10 +19,14 @@ from torch.utils.data import DataLoader, Sampler
 
 from gspo_lightning.data.datasets import BUILTIN_FILES
 from gspo_lightning.data.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
+from gspo_lightning.data.verifiers import VerifiersSettings, verifiers_rows
 from gspo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+
+# the data path of a verifiers environment's tasks (model.episodes.verifiers)
+VERIFIERS_PATH = "verifiers"
 
 # the extra prompt stream (dynamic sampling) shuffles with data.seed + this
 EXTRA_STREAM_SEED = 1_000_003
@@ -155,10 +159,12 @@ class PromptDataModule(L.LightningDataModule):
             ``datasets`` folder, a file shipped with the package (``builtin:gsm8k``,
             ``builtin:gsm8k-heldout``) or a synthetic task (``builtin:echo``,
             ``builtin:successor``, ``builtin:alternate``). Relative paths start at the working
-            directory.
+            directory. ``verifiers``: the tasks of the verifiers environment of ``model.episodes.verifiers``
+            (its ``args``).
         val_path: held-out prompts for validation (same formats). ``None``: for a synthetic
             task, ``val_size`` fresh rows drawn with another seed; for a file, its last
-            ``val_size`` rows, held out of training.
+            ``val_size`` rows, held out of training. ``verifiers``: the verifiers environment's tasks
+            with its ``eval_args``.
         val_size: number of validation prompts (``None`` or 0 with no ``val_path``: no validation).
         test_path: prompts that ``gspo test`` scores (same formats; a synthetic task draws
             ``val_size`` rows with a third seed). ``gspo test`` without it is an error.
@@ -185,6 +191,8 @@ class PromptDataModule(L.LightningDataModule):
             sets it), which render every prompt with the chat template and the tools themselves:
             ``use_chat_template`` is not consulted, and ``system_prompt`` is refused (a system
             message goes first in the environment's ``first_messages``).
+        verifiers: the verifiers environment of ``model.episodes.verifiers`` (the ``gspo`` command
+            sets it), whose tasks ``path: verifiers`` reads.
     """
 
     def __init__(
@@ -207,6 +215,7 @@ class PromptDataModule(L.LightningDataModule):
         seed: int = 0,
         val_batch_size: int = 32,
         episodes: bool = False,
+        verifiers: Optional[VerifiersSettings] = None,
     ):
         super().__init__()
         if episodes and system_prompt:
@@ -313,9 +322,12 @@ class PromptDataModule(L.LightningDataModule):
             return
         if self.train_rows or self.val_rows:
             return
-        rows, skipped = read_rows(hp.path, bad_rows=hp.bad_rows, seed=hp.seed)
+        if hp.verifiers is not None and hp.path != VERIFIERS_PATH:
+            raise DataError(f"model.episodes.verifiers runs its environment's own tasks, but data.path is {hp.path!r}: "
+                            f"set data.path: {VERIFIERS_PATH}")
+        rows, skipped = self._read(hp.path, "train", seed=hp.seed)
         if hp.val_path is not None:
-            val_rows, _ = read_rows(hp.val_path, bad_rows=hp.bad_rows, seed=hp.seed + 1)
+            val_rows, _ = self._read(hp.val_path, "eval", seed=hp.seed + 1)
         elif is_generated(hp.path) and hp.val_size:
             val_rows, _ = read_rows(hp.path, num_builtin_rows=hp.val_size, seed=hp.seed + 7919)
         elif hp.val_size:
@@ -338,6 +350,22 @@ class PromptDataModule(L.LightningDataModule):
             self.stats["data/train_prompts"] = float(len(self.train_rows))
             if any(counts.values()):
                 log.warning("training prompts: %d kept, %s", len(self.train_rows), counts)
+
+    def _read(self, path: str, split: str, seed: int) -> tuple[list[dict], int]:
+        """``read_rows``, or the verifiers environment's tasks for ``path: verifiers``."""
+        if path != VERIFIERS_PATH:
+            return read_rows(path, bad_rows=self.hparams.bad_rows, seed=seed)
+        settings = self.hparams.verifiers
+        if settings is None:
+            raise DataError(f"data path {VERIFIERS_PATH!r} reads the tasks of model.episodes.verifiers, which is not set: "
+                            "set model.episodes.verifiers.id (or point the data path at a file)")
+        if isinstance(settings, dict):  # as the hyperparameters keep it
+            settings = VerifiersSettings(**settings)
+        if split == "eval" and settings.eval_args is None:
+            raise DataError("data.val_path: verifiers reads the held-out tasks with model.episodes.verifiers.eval_args, "
+                            "which is not set: set it (e.g. {split: eval}), or leave data.val_path unset to hold out "
+                            "the last data.val_size training tasks")
+        return verifiers_rows(settings, split), 0
 
     def _test_rows(self) -> list[dict]:
         hp = self.hparams

@@ -8,6 +8,7 @@ nothing here imports an engine.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -18,6 +19,8 @@ from gspo_lightning.episodes.factory import FactoryEnvironment
 from gspo_lightning.episodes.loop import EpisodeLoop
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
+from gspo_lightning.data.verifiers import VerifiersSettings
+from gspo_lightning.episodes.verifiers import VERIFIERS_AGENT
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.objective.advantages import turn_advantages
 
@@ -37,8 +40,14 @@ class MultiTurn:
         agent: instead of an environment, a user's agent (import path of a function, sync or
             ``async def``) that owns the loop and calls the run's OpenAI-compatible endpoint
             (docs/agents.md). Called once per episode with ``row``, ``base_url``, ``api_key``
-            and ``model``; returns the episode's reward (a float) or None (the reward functions
-            score the recorded conversation).
+            and ``model`` (and ``agent_args``); returns the episode's reward (a float), named rewards
+            (``{name: float}``: their sum, each logged as ``reward/<name>``) or None (the reward
+            functions score the recorded conversation).
+        agent_args: more keyword arguments for every call of the agent (its settings).
+        verifiers: instead, a verifiers environment run unchanged (``{id, args, eval_args, harness,
+            runtime}``, :class:`~gspo_lightning.episodes.verifiers.VerifiersSettings`): its harness
+            calls the run's endpoint, its rewards score the episode; ``data.path: verifiers``
+            reads its taskset's rows.
         tool_call_parser: how the endpoint reads tool calls out of sampled text into a reply's
             ``tool_calls``, and writes an assistant message's ``tool_calls`` back as text where the
             chat template cannot render them (default: Hermes ``<tool_call>`` JSON blocks).
@@ -84,13 +93,26 @@ class MultiTurn:
                  tool_call_parser: Optional[ToolCallParser] = None, max_concurrent: Optional[int] = None,
                  agent_timeout_s: float = 300.0, endpoint_host: str = "127.0.0.1", endpoint_port: int = 0,
                  batch_window_s: Optional[float] = 0.05, agent_processes: int = 0,
-                 environment_factory: Optional[str] = None, max_concurrent_tools: int = 512):
+                 environment_factory: Optional[str] = None, max_concurrent_tools: int = 512,
+                 agent_args: Optional[dict] = None, verifiers: Optional[VerifiersSettings] = None):
         given = [name for name, value in (("environment", environment), ("environment_factory", environment_factory),
-                                          ("agent", agent)) if value is not None]
+                                          ("agent", agent), ("verifiers", verifiers)) if value is not None]
         if len(given) != 1:
             raise ConfigError("model.episodes needs exactly one of environment (the runner owns the loop), "
-                              "environment_factory (a TRL environment class) and agent (your program owns the loop and "
-                              f"calls the endpoint); got {' and '.join(given) or 'none'}")
+                              "environment_factory (a TRL environment class), agent (your program owns the loop and "
+                              "calls the endpoint) and verifiers (a verifiers environment: its harness calls the "
+                              f"endpoint); got {' and '.join(given) or 'none'}")
+        if agent_args is not None and agent is None:
+            raise ConfigError("model.episodes.agent_args are keyword arguments of model.episodes.agent, which is not set")
+        if isinstance(verifiers, dict):  # from Python rather than a config
+            verifiers = VerifiersSettings(**verifiers)
+        self.verifiers = verifiers
+        if verifiers is not None:  # an agent episode: verifiers' harness is the agent
+            agent, agent_args = VERIFIERS_AGENT, {"verifiers": dataclasses.asdict(verifiers)}
+        reserved = sorted(set(agent_args or {}) & {"row", "base_url", "api_key", "model"})
+        if reserved:
+            raise ConfigError(f"model.episodes.agent_args cannot set {reserved}: the endpoint passes them to each episode")
+        self.agent_args = dict(agent_args or {})
         if max_concurrent_tools < 1:
             raise ConfigError(f"model.episodes.max_concurrent_tools must be >= 1, got {max_concurrent_tools}")
         self.max_concurrent_tools = max_concurrent_tools

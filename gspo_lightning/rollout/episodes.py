@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -96,8 +96,8 @@ class EpisodeBatch:
     turn_rewards: list[list[float]]
     stats: dict[str, float]
     # agent episodes (rollout/agent/): the reward each agent returned (None: the reward functions
-    # score it), and the episodes whose agent failed (unscored)
-    agent_rewards: Optional[list[Optional[float]]] = None
+    # score it; a dict: named rewards, summed), and the episodes whose agent failed (unscored)
+    agent_rewards: Optional[list[Union[None, float, dict[str, float]]]] = None
     failed: Optional[list[bool]] = None
     # environment episodes: the environments' named rewards of each episode (Environment.rewards),
     # and what reward functions get in environments= (Environment.for_rewards)

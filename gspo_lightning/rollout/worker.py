@@ -342,10 +342,17 @@ class RolloutWorker:
         total, scored = [0.0] * count, [False] * count
         components: dict[str, list[float]] = {}
         given = [r is not None and not f for r, f in zip(episodes.agent_rewards, episodes.failed)]
-        if any(given):
-            components["agent"] = [r if ok else float("nan") for r, ok in zip(episodes.agent_rewards, given)]
-            for i in (i for i in range(count) if given[i]):
-                total[i], scored[i] = episodes.agent_rewards[i], True
+        named = [isinstance(r, dict) and ok for r, ok in zip(episodes.agent_rewards, given)]
+        if any(ok and not is_named for ok, is_named in zip(given, named)):
+            components["agent"] = [r if ok and not is_named else float("nan")
+                                   for r, ok, is_named in zip(episodes.agent_rewards, given, named)]
+        # named rewards (a verifiers environment's): each its own component, 0 where an episode lacks it
+        for name in sorted({name for r, is_named in zip(episodes.agent_rewards, named) if is_named for name in r}):
+            components[name] = [r.get(name, 0.0) if is_named else float("nan")
+                                for r, is_named in zip(episodes.agent_rewards, named)]
+        for i in (i for i in range(count) if given[i]):
+            reward = episodes.agent_rewards[i]
+            total[i], scored[i] = (sum(reward.values()) if named[i] else reward), True
         rows = [i for i in range(count) if episodes.agent_rewards[i] is None and not episodes.failed[i]]
         errors = 0
         if rows and self.rewards is not None:

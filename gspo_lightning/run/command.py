@@ -77,6 +77,8 @@ class GSPOCLI(LightningCLI):
         parser.link_arguments("data.rollout_batch_size", "model.rollout.rollout_batch_size")
         # episodes render their prompts themselves: the data module's chat-template settings do not apply
         parser.link_arguments("model.episodes", "data.episodes", compute_fn=lambda episodes: episodes is not None)
+        # a verifiers environment's tasks are the prompts (data.path: verifiers)
+        parser.link_arguments("model.episodes", "data.verifiers", compute_fn=verifiers_settings)
 
     def parse_arguments(self, parser, args) -> None:
         # the flat model keys of earlier releases, in configs and on the command line: into their blocks
@@ -214,6 +216,14 @@ def run_folder_loggers(loggers, default_root_dir: Optional[str]) -> None:
 def tokenizer_source(model_name_or_path: str, gguf_file: Optional[str] = None) -> str:
     """The data module's tokenizer: the model's, a GGUF file named as one path."""
     return model_name_or_path if gguf_file is None else str(Path(model_name_or_path) / gguf_file)
+
+
+def verifiers_settings(episodes):
+    """``model.episodes.verifiers`` (the data module reads its tasks), or None."""
+    if episodes is None:
+        return None
+    arguments = getattr(episodes, "init_args", episodes)  # a class_path block, or its arguments
+    return arguments.get("verifiers") if hasattr(arguments, "get") else getattr(arguments, "verifiers", None)
 
 
 def continue_log_versions(loggers, ckpt_path: str) -> None:

@@ -18,19 +18,28 @@ import itertools
 import multiprocessing
 import threading
 import traceback
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 class AgentFailed(Exception):
     """An agent episode that raised in its worker process (the message: its last traceback line)."""
 
 
-def check_result(result: Any) -> Optional[float]:
-    """The episode's reward from what the agent returned: a number or None."""
+def check_result(result: Any) -> Union[None, float, dict[str, float]]:
+    """The episode's reward from what the agent returned: a number, named numbers (the reward is
+    their sum; each is logged as ``reward/<name>``), or None."""
+    if isinstance(result, Mapping):
+        bad = [name for name, value in result.items()
+               if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float))]
+        if bad or not result:
+            raise TypeError(f"the agent returned {dict(result)!r:.80}; named rewards are a non-empty mapping of "
+                            "names to numbers")
+        return {name: float(value) for name, value in result.items()}
     if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))):
         raise TypeError(f"the agent returned {type(result).__name__} {result!r:.60}; return the episode's "
-                        "reward as a float, or None to have the reward functions score it")
+                        "reward as a float, named rewards ({name: float}), or None to have the reward functions score it")
     return None if result is None else float(result)
 
 
@@ -121,7 +130,7 @@ class AgentProcesses:
                     worker.close()
                 self._workers[k] = _Worker(self.agent_path, self.threads)
 
-    async def run(self, kwargs: dict, timeout_s: float) -> Optional[float]:
+    async def run(self, kwargs: dict, timeout_s: float) -> Union[None, float, dict[str, float]]:
         """One episode: its reward (None: the reward functions score it). Raises
         ``asyncio.TimeoutError`` past ``timeout_s``, :class:`AgentFailed` when it raised."""
         with self._lock:

@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -37,9 +37,10 @@ FAILURES = ("error", "timeout", "no_calls")
 
 @dataclasses.dataclass
 class Outcome:
-    """How one agent episode ended: its reward (None: the reward functions score it) or its failure."""
+    """How one agent episode ended: its reward (None: the reward functions score it; named
+    rewards: their sum, each logged) or its failure."""
 
-    reward: Optional[float] = None
+    reward: Union[None, float, dict[str, float]] = None
     failure: Optional[str] = None  # error | timeout | no_calls
     message: str = ""
 
@@ -140,7 +141,7 @@ class AgentRunner:
             async with gate:
                 try:
                     kwargs = dict(row=dict(session.row), base_url=self.endpoint.base_url, api_key=session.key,
-                                  model=self.model_name)
+                                  model=self.model_name, **multi_turn.agent_args)
                     if not in_process:  # the worker times the episode; a worker stuck in C code is still bounded here
                         outcome.reward = await asyncio.wait_for(self.processes.run(kwargs, multi_turn.agent_timeout_s),
                                                                 multi_turn.agent_timeout_s + 10)

@@ -1,0 +1,65 @@
+"""verifiers environments, unchanged (``model.episodes.verifiers``).
+
+A verifiers (v1) environment drives its rollouts itself: its harness program (``null``: a plain
+chat loop with the taskset's MCP tools) calls an OpenAI-compatible endpoint, and its task scores
+the trace with its ``@vf.reward`` methods. Here that endpoint is the run's agent endpoint, which
+samples with the policy and records every token: each episode is an agent episode whose agent is
+:func:`verifiers_agent`. It runs the row's task with verifiers' own ``Env.run_episode`` against
+the endpoint, with the episode's key, and returns verifiers' rewards by name (each ``score *
+weight``, so they sum to verifiers' ``trace.reward``; logged as ``reward/<name>``).
+
+The rows come from the same taskset (``data.path: verifiers``, :mod:`gspo_lightning.data.verifiers`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+from gspo_lightning.data.verifiers import VerifiersSettings, import_verifiers, load_environment, split_args
+from gspo_lightning.errors import ConfigError
+
+
+VERIFIERS_AGENT = "gspo_lightning.episodes.verifiers.verifiers_agent"
+
+
+class VerifiersEpisodeError(RuntimeError):
+    """verifiers ended an episode without a score (its harness or task failed)."""
+
+
+async def verifiers_agent(row: dict, base_url: str, api_key: str, model: str, verifiers: dict) -> dict[str, float]:
+    """One episode of the row's verifiers task against the run's endpoint; verifiers' rewards by name."""
+    vf = import_verifiers()
+    split = row.get("verifiers_split")
+    if split not in ("train", "eval") or not isinstance(row.get("verifiers_index"), int):
+        raise ConfigError("a verifiers episode needs its row from the environment's taskset (data.path: verifiers; "
+                          f"this row has verifiers_split={split!r}, verifiers_index={row.get('verifiers_index')!r})")
+    settings = VerifiersSettings(**verifiers)
+    environment, tasks = load_environment(settings.id, split_args(settings, split), settings.harness, settings.runtime)
+    task = tasks[row["verifiers_index"]]
+    # verifiers reads an endpoint's key from an environment variable when the episode's client is
+    # made: one variable per episode (its harness program does not see it: verifiers strips
+    # variables named *API_KEY* from the programs it starts)
+    variable = f"GSPO_EPISODE_API_KEY_{secrets.token_hex(8)}"
+    os.environ[variable] = api_key
+    try:
+        context = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=base_url, api_key_var=variable),
+                                  sampling=vf.SamplingConfig())
+        # no env.serving(): each episode brings up and tears down its own interception server,
+        # and with it the client that holds this episode's key
+        episode = await environment.run_episode(task, context)
+    finally:
+        os.environ.pop(variable, None)
+    trace = episode.traces[0] if episode.traces else None
+    if not episode.ok or trace is None or not trace.ok:
+        errors = [*(trace.errors if trace is not None else []), *episode.errors]
+        detail = "; ".join(getattr(e, "message", str(e)) for e in errors)[:600] or "no error recorded"
+        raise VerifiersEpisodeError(f"verifiers episode of task {task.data.id!r} failed: {detail}")
+    rewards = {name: reward.score * reward.weight for name, reward in trace.rewards.items()
+               if reward is not None and reward.score is not None}
+    if not rewards:
+        raise VerifiersEpisodeError(f"verifiers scored no reward for task {task.data.id!r} (its Task has no @vf.reward)")
+    return rewards
+
+
+__all__ = ["VERIFIERS_AGENT", "VerifiersEpisodeError", "VerifiersSettings", "verifiers_agent"]
