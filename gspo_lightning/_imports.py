@@ -41,6 +41,16 @@ def import_object(path: str, what: str, example: str = "package.module.name") ->
     return found
 
 
+def import_verifiers():
+    """``verifiers.v1`` (model.episodes.verifiers), or an error that says how to install it."""
+    try:
+        import verifiers.v1 as vf
+    except ImportError as err:
+        raise ConfigError("model.episodes.verifiers needs the verifiers package (v1 API): pip install "
+                          f"'gspo-lightning[verifiers]' (verifiers pins openai<3: an environment of its own) ({err})") from None
+    return vf
+
+
 def import_callable(path: str, what: str) -> Callable:
     """The callable at ``package.module.name`` (or ``package.module:name``): a config's reward
     function or tool. ``what`` names it in the errors ("reward function", "tool")."""

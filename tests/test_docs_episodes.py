@@ -42,7 +42,7 @@ def test_every_episodes_block_of_the_docs_builds(doc_modules):
     from gspo_lightning.episodes import MultiTurn
 
     blocks = [b["model"]["episodes"] for b in YAML if "episodes" in (b.get("model") or {})]
-    assert len(blocks) == 4  # tools, TRL's environment_factory, SkyRL-gym, OpenEnv
+    assert len(blocks) == 5  # tools, TRL's environment_factory, SkyRL-gym, OpenEnv, verifiers
     parser = ArgumentParser()
     parser.add_argument("--episodes", type=Optional[MultiTurn])
     for block in blocks:
@@ -52,6 +52,10 @@ def test_every_episodes_block_of_the_docs_builds(doc_modules):
             if importlib.util.find_spec(package) is None:
                 continue  # an extra this environment does not have
         episodes = parser.instantiate_classes(parser.parse_object({"episodes": block})).episodes
+        if "verifiers" in block:  # verifiers' harness is the episode's agent
+            assert episodes.agent == "gspo_lightning.episodes.verifiers.verifiers_agent"
+            assert episodes.agent_args["verifiers"] == {"runtime": "subprocess", **block["verifiers"]}
+            continue
         assert isinstance(episodes, MultiTurn) and episodes.environment is not None
 
 

@@ -145,7 +145,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
     took = time.monotonic() - asked
     assert "SIGTERM: finishing step 2's update, then writing the checkpoint" in err
     assert "SIGTERM again: stopping now, without a checkpoint" in err
-    assert took < 5, took  # not the 29 s the update still had to sleep
+    assert took < 12, took  # not the 29 s the update still had to sleep (a loaded CI machine took 5.1 s)
     assert proc.returncode != 0
     assert _global_step(tmp_path / "run" / "ckpt" / "last.ckpt") == 1  # step 1's periodic checkpoint, untouched
 

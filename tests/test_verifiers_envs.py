@@ -19,8 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from gspo_lightning.data.datamodule import DataError, PromptDataModule
-from gspo_lightning.data.verifiers import VerifiersSettings
+from gspo_lightning.data.verifiers import VerifiersTasks
 from gspo_lightning.episodes.multi_turn import MultiTurn
+from gspo_lightning.episodes.verifiers import VerifiersSettings
 from gspo_lightning.errors import AgentError, ConfigError
 from gspo_lightning.models.tiny import build_tokenizer, get_spec
 from gspo_lightning.rollout.agent.processes import check_result
@@ -93,17 +94,17 @@ def test_data_path_errors_name_the_key():
         PromptDataModule(path="verifiers", tokenizer=tokenizer, episodes=True).setup("fit")
     with pytest.raises(DataError, match="data.path is 'builtin:successor': set data.path: verifiers"):
         PromptDataModule(path="builtin:successor", tokenizer=tokenizer, episodes=True,
-                         verifiers=VerifiersSettings(id="successor_v1")).setup("fit")
+                         verifiers=VerifiersTasks(id="successor_v1")).setup("fit")
     with pytest.raises(DataError, match="eval_args, which is not set"):
         PromptDataModule(path="verifiers", val_path="verifiers", tokenizer=tokenizer, episodes=True,
-                         verifiers=VerifiersSettings(id="successor_v1"))._read("verifiers", "eval", seed=0)
+                         verifiers=VerifiersTasks(id="successor_v1"))._read("verifiers", "eval", seed=0)
 
 
 @pytest.mark.skipif(has_verifiers(), reason="checks the error without verifiers installed")
 def test_missing_package_says_how_to_install():
     with pytest.raises(ConfigError, match=r"needs the verifiers package.*pip install 'gspo-lightning\[verifiers\]'"):
         PromptDataModule(path="verifiers", tokenizer="builtin:tiny-successor-judge", episodes=True,
-                         verifiers=VerifiersSettings(id="successor_v1")).setup("fit")
+                         verifiers=VerifiersTasks(id="successor_v1")).setup("fit")
 
 
 # -- with verifiers ------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def test_missing_package_says_how_to_install():
 def test_rows_are_the_tasksets_tasks(environments):
     import verifiers.v1 as vf
 
-    settings = VerifiersSettings(id="successor_v1", args={"digits": [2, 9], "copies": 2}, eval_args={"digits": [5]})
+    settings = VerifiersTasks(id="successor_v1", args={"digits": [2, 9], "copies": 2}, eval_args={"digits": [5]})
     data = PromptDataModule(path="verifiers", val_path="verifiers", tokenizer="builtin:tiny-successor-judge",
                             episodes=True, verifiers=settings, shuffle=False)
     data.setup("fit")
@@ -169,7 +170,7 @@ def test_episodes_are_verifiers_own_and_scored_by_its_rewards(environments):
     """Each episode: verifiers' null harness sends the task's prompt to the endpoint, the endpoint
     samples and records the reply, verifiers scores it: the rewards returned equal the same two
     rewards worked out here from the recorded reply, and the recorded tokens are that reply."""
-    settings = VerifiersSettings(id="successor_v1", args={"digits": [2, 6]})
+    settings = VerifiersTasks(id="successor_v1", args={"digits": [2, 6]})
     rows, _ = PromptDataModule(path="verifiers", tokenizer="builtin:tiny-successor-judge", episodes=True,
                                verifiers=settings)._read("verifiers", "train", seed=0)
     runner, tokenizer = verifiers_runner("successor_v1", {"digits": [2, 6]})
@@ -205,3 +206,11 @@ def test_a_failing_verifiers_reward_is_an_unscored_episode_with_its_reason(envir
                        params=SamplingParams(max_new_tokens=7, temperature=1.0), seed=5)
     finally:
         runner.close()
+
+
+def test_the_gspo_command_hands_the_environments_tasks_to_the_data_module():
+    from tests.test_run_folder import parsed
+
+    cfg = parsed("--config", str(ROOT / "configs" / "verifiers_successor.yaml"))
+    assert dict(cfg.data.verifiers) == {"id": "successor_v1", "args": {"digits": [2]}, "eval_args": {"digits": [2, 5]}}
+    assert cfg.data.path == cfg.data.val_path == "verifiers" and cfg.data.episodes is True

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from gspo_lightning.data.datasets import BUILTIN_FILES
 from gspo_lightning.data.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
-from gspo_lightning.data.verifiers import VerifiersSettings, verifiers_rows
+from gspo_lightning.data.verifiers import VerifiersTasks, verifiers_rows
 from gspo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -191,8 +191,8 @@ class PromptDataModule(L.LightningDataModule):
             sets it), which render every prompt with the chat template and the tools themselves:
             ``use_chat_template`` is not consulted, and ``system_prompt`` is refused (a system
             message goes first in the environment's ``first_messages``).
-        verifiers: the verifiers environment of ``model.episodes.verifiers`` (the ``gspo`` command
-            sets it), whose tasks ``path: verifiers`` reads.
+        verifiers: the tasks of the verifiers environment of ``model.episodes.verifiers`` (the
+            ``gspo`` command sets them), which ``path: verifiers`` reads.
     """
 
     def __init__(
@@ -215,7 +215,7 @@ class PromptDataModule(L.LightningDataModule):
         seed: int = 0,
         val_batch_size: int = 32,
         episodes: bool = False,
-        verifiers: Optional[VerifiersSettings] = None,
+        verifiers: Optional[VerifiersTasks] = None,
     ):
         super().__init__()
         if episodes and system_prompt:
@@ -360,7 +360,7 @@ class PromptDataModule(L.LightningDataModule):
             raise DataError(f"data path {VERIFIERS_PATH!r} reads the tasks of model.episodes.verifiers, which is not set: "
                             "set model.episodes.verifiers.id (or point the data path at a file)")
         if isinstance(settings, dict):  # as the hyperparameters keep it
-            settings = VerifiersSettings(**settings)
+            settings = VerifiersTasks(**settings)
         if split == "eval" and settings.eval_args is None:
             raise DataError("data.val_path: verifiers reads the held-out tasks with model.episodes.verifiers.eval_args, "
                             "which is not set: set it (e.g. {split: eval}), or leave data.val_path unset to hold out "

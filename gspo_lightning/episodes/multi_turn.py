@@ -19,8 +19,7 @@ from gspo_lightning.episodes.factory import FactoryEnvironment
 from gspo_lightning.episodes.loop import EpisodeLoop
 from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
-from gspo_lightning.data.verifiers import VerifiersSettings
-from gspo_lightning.episodes.verifiers import VERIFIERS_AGENT
+from gspo_lightning.episodes.verifiers import VERIFIERS_AGENT, VerifiersSettings
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.objective.advantages import turn_advantages
 

@@ -78,7 +78,7 @@ class GSPOCLI(LightningCLI):
         # episodes render their prompts themselves: the data module's chat-template settings do not apply
         parser.link_arguments("model.episodes", "data.episodes", compute_fn=lambda episodes: episodes is not None)
         # a verifiers environment's tasks are the prompts (data.path: verifiers)
-        parser.link_arguments("model.episodes", "data.verifiers", compute_fn=verifiers_settings)
+        parser.link_arguments("model.episodes", "data.verifiers", compute_fn=verifiers_tasks)
 
     def parse_arguments(self, parser, args) -> None:
         # the flat model keys of earlier releases, in configs and on the command line: into their blocks
@@ -218,12 +218,17 @@ def tokenizer_source(model_name_or_path: str, gguf_file: Optional[str] = None) -
     return model_name_or_path if gguf_file is None else str(Path(model_name_or_path) / gguf_file)
 
 
-def verifiers_settings(episodes):
-    """``model.episodes.verifiers`` (the data module reads its tasks), or None."""
+def verifiers_tasks(episodes) -> Optional[dict]:
+    """The tasks of ``model.episodes.verifiers`` (``id``, ``args``, ``eval_args``), which the data module reads; or None."""
     if episodes is None:
         return None
     arguments = getattr(episodes, "init_args", episodes)  # a class_path block, or its arguments
-    return arguments.get("verifiers") if hasattr(arguments, "get") else getattr(arguments, "verifiers", None)
+    settings = arguments.get("verifiers") if hasattr(arguments, "get") else getattr(arguments, "verifiers", None)
+    if settings is None:
+        return None
+    settings = getattr(settings, "init_args", settings)
+    return {key: settings.get(key) if hasattr(settings, "get") else getattr(settings, key)
+            for key in ("id", "args", "eval_args")}
 
 
 def continue_log_versions(loggers, ckpt_path: str) -> None:
