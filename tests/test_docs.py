@@ -1,6 +1,7 @@
 """Documentation stays true to the code."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,3 +75,23 @@ def test_every_package_name_in_configs_and_docs_resolves():
              for match in re.findall(r"gspo_lightning(?:\.[A-Za-z_]\w*)+", path.read_text())}
     missing = sorted(f"{path}: {name}" for path, name in names if not resolves(name))
     assert len(names) > 30 and not missing, missing
+
+
+def test_the_stock_vllm_engine_block_of_the_docs_builds():
+    """docs/vllm.md's StockVLLMEngine block and configs/quickstart_stock_vllm.yaml build the engine
+    they describe (its run against real servers: tests/test_stock_vllm.py, CI's vLLM stage)."""
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from gspo_lightning.rollout import RolloutEngine, StockVLLMEngine
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    section = text[text.index("## On stock vLLM servers"):]
+    block = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))["model"]["engine"]
+    recipe = yaml.safe_load((ROOT / "configs" / "quickstart_stock_vllm.yaml").read_text())["model"]["engine"]
+    parser = ArgumentParser()
+    parser.add_argument("--engine", type=RolloutEngine)
+    for config, urls in ((block, ["http://127.0.0.1:8000"]), (recipe, ["http://127.0.0.1:8000", "http://127.0.0.1:8001"])):
+        engine = parser.instantiate_classes(parser.parse_object({"engine": config})).engine
+        assert isinstance(engine, StockVLLMEngine) and engine.urls == urls and engine.api_key_env == "VLLM_API_KEY"
+    assert "--logprobs-mode processed_logprobs" in section and "VLLM_SERVER_DEV_MODE=1" in section

@@ -10,6 +10,7 @@ EXPORTS = {
     **dict.fromkeys(["PHASES", "Phase", "PhaseTracker"], "phases"),
     "HFCopyEngine": "hf_copy",
     "RemoteEngine": "remote",
+    "StockVLLMEngine": "stock_vllm",
     "VLLMEngine": "vllm",
     **dict.fromkeys(["Rollout", "RolloutWorker"], "worker"),
     "run_episodes": "episodes",

@@ -1,0 +1,235 @@
+"""Rollouts on stock vLLM servers (``vllm serve`` processes the user started), through vLLM's own
+OpenAI and RL routes: nothing of ours runs beside them.
+
+- Generation: ``POST /v1/completions`` with the prompt as token ids, ``n`` samples, a seed, and
+  ``return_token_ids`` + ``logprobs: 0``: each sample's token ids and the log-prob of each
+  sampled token, as the server sampled it (start it with ``--logprobs-mode processed_logprobs``
+  so those are the log-probs of the distribution it sampled from, temperature and top-p applied,
+  which is what the trainer computes). No text goes through a tokenizer.
+- Weights (vLLM's RL API, ``VLLM_SERVER_DEV_MODE=1``): the policy's weights are written once as a
+  safetensors folder the servers read (``weights_dir``: on this machine, ``/dev/shm`` by default),
+  then on every replica ``/pause?mode=wait`` (the running requests finish), ``/collective_rpc``
+  ``reload_weights`` from that folder, ``/update_weight_version``, ``/reset_prefix_cache`` (cached
+  prefixes were computed with the old weights) and ``/resume``.
+- Replicas: each prompt's whole group goes to one replica (its prompt is cached once), prompts
+  spread over the replicas in turn; control calls go to every replica.
+
+vLLM authenticates only its OpenAI routes (``--api-key``); its dev-mode routes take any caller:
+keep the servers on 127.0.0.1 or a private interface (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+from gspo_lightning.errors import ConfigError
+from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.vllm import request_seeds
+from gspo_lightning.rollout.weight_sync import engine_name
+
+START_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR "
+                 "--logprobs-mode processed_logprobs --host 127.0.0.1 --port PORT --api-key KEY (docs/vllm.md)")
+
+
+def tied_aliases(policy) -> dict[str, str]:
+    """``{alias: name}`` of parameters the model shares (tied embeddings: ``lm_head.weight`` is
+    ``model.embed_tokens.weight``), by their checkpoint names. The trainer sends each shared
+    tensor once; vLLM's folder reload does not keep a tie (the output layer kept its old values
+    when only the embeddings came), so the engine writes each alias too."""
+    if policy is None:
+        return {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in policy.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[engine_name(name)] = first[id(param)]
+        else:
+            first[id(param)] = engine_name(name)
+    return aliases
+
+
+class StockServerError(RuntimeError):
+    """A stock vLLM server refused or failed a call; the message names the server and the route."""
+
+
+class StockVLLMEngine(RolloutEngine):
+    """Samples on running stock vLLM servers (``model.engine``).
+
+    Args:
+        base_urls: the servers, e.g. ``[http://127.0.0.1:8000]`` (each started with the command
+            in docs/vllm.md, serving the run's model).
+        api_key_env: the environment variable that holds the servers' ``--api-key`` (a key is
+            never written in a config; unset: no key is sent).
+        weights_dir: where each update's safetensors folder is written for the servers to read
+            (a path they see; default ``/dev/shm`` where it exists: memory, not disk).
+        timeout_s: the longest wait for one call (a generation, a weights reload).
+        max_reply_mb: the largest reply read from a server.
+    """
+
+    def __init__(self, base_urls: list[str], api_key_env: str = "VLLM_API_KEY", weights_dir: Optional[str] = None,
+                 timeout_s: float = 600.0, max_reply_mb: int = 256):
+        super().__init__()
+        if not base_urls:
+            raise ConfigError("StockVLLMEngine needs base_urls: the vLLM servers to sample on, e.g. "
+                              f"[http://127.0.0.1:8000]; start one with {START_COMMAND}")
+        bad = [url for url in base_urls if not str(url).startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"StockVLLMEngine base_urls must be http(s) URLs, got {bad}")
+        if not timeout_s > 0 or max_reply_mb < 1:
+            raise ConfigError(f"StockVLLMEngine timeout_s must be > 0 and max_reply_mb >= 1, got {timeout_s}, {max_reply_mb}")
+        self.urls = [str(url).rstrip("/").removesuffix("/v1") for url in base_urls]
+        self.api_key_env = api_key_env
+        self.weights_dir = weights_dir
+        self.timeout_s = timeout_s
+        self.max_reply_bytes = max_reply_mb * 2**20
+        self.model: Optional[str] = None
+        self.pad_token_id = 0
+        self._folder: Optional[Path] = None
+        self.aliases: dict[str, str] = {}
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    # -- calls -----------------------------------------------------------------------------
+    def _call(self, url: str, path: str, body: Optional[dict] = None, *, method: Optional[str] = None,
+              timeout: Optional[float] = None) -> Any:
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        data = None if body is None else json.dumps(body, allow_nan=False).encode()
+        request = urllib.request.Request(url + path, data=data, method=method or ("GET" if body is None else "POST"),
+                                         headers={"Content-Type": "application/json",
+                                                  **({"Authorization": f"Bearer {key}"} if key else {})})
+        where = f"vLLM server {url}{path.split('?')[0]}"
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout_s) as response:
+                raw = response.read(self.max_reply_bytes + 1)
+        except urllib.error.HTTPError as error:
+            detail = error.read(2000).decode(errors="replace").strip()
+            if error.code == 401:
+                raise StockServerError(f"{where} refused the key (401): set {self.api_key_env} to the key the server "
+                                       "was started with (--api-key)") from None
+            if error.code == 404 and path.split("?")[0] in ("/is_paused", "/pause", "/collective_rpc"):
+                raise StockServerError(f"{where} is not served (404): start vLLM with VLLM_SERVER_DEV_MODE=1, which "
+                                       "serves its RL routes (pause, weights)") from None
+            raise StockServerError(f"{where} answered {error.code}: {detail[:600]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise StockServerError(f"{where}: no answer ({reason}); is it running? start it with {START_COMMAND}") from None
+        if len(raw) > self.max_reply_bytes:
+            raise StockServerError(f"{where} replied more than {self.max_reply_bytes} bytes "
+                                   "(model.engine.init_args.max_reply_mb)")
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:
+            raise StockServerError(f"{where} replied something that is not JSON: is that a vLLM server?") from None
+
+    def _each(self, path: str, body: Optional[dict] = None) -> list[Any]:
+        """The same call on every replica, side by side."""
+        return list(self._pool.map(lambda url: self._call(url, path, body), self.urls))
+
+    # -- the contract ----------------------------------------------------------------------
+    def start(self, spec: EngineSpec) -> None:
+        if spec.world_size > 1:
+            raise ConfigError("StockVLLMEngine runs with one training rank for now: use trainer.devices: 1 (or the "
+                              "RemoteEngine with gspo serve for several ranks)")
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gspo-stock-vllm")
+        self.pad_token_id = spec.pad_token_id
+        self.eos_token_ids = list(spec.eos_token_ids)
+        self.aliases = tied_aliases(spec.policy)
+        names = []
+        for url in self.urls:
+            models = self._call(url, "/v1/models").get("data") or []
+            if len(models) != 1:
+                raise StockServerError(f"vLLM server {url} serves {len(models)} models; serve the run's model alone")
+            model = models[0]
+            longest = model.get("max_model_len")
+            if spec.max_model_len is not None and longest is not None and longest < spec.max_model_len:
+                raise ConfigError(f"vLLM server {url} takes sequences up to {longest} tokens, and the run needs "
+                                  f"{spec.max_model_len} (data.prompt_length + model.rollout.response_length): "
+                                  f"restart it with --max-model-len {spec.max_model_len}")
+            self._call(url, "/is_paused")  # the RL routes are there (VLLM_SERVER_DEV_MODE=1)
+            names.append(model["id"])
+        if len(set(names)) != 1:
+            raise ConfigError(f"the vLLM servers serve different models {names}: serve the same model on each")
+        self.model = names[0]
+        root = self.weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._folder = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir=root))
+
+    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
+        if self.model is None:
+            raise RuntimeError("StockVLLMEngine.generate before start()")
+        seeds = request_seeds(seed, len(prompt_ids), n)
+        body = {"model": self.model, "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "logprobs": 0, "return_token_ids": True,
+                # every EOS the trainer knows of, and only those (as the other engines stop)
+                "stop_token_ids": self.eos_token_ids, "ignore_eos": True, "skip_special_tokens": False}
+
+        def one(index: int) -> list[dict]:
+            url = self.urls[index % len(self.urls)]  # the whole group on one replica
+            reply = self._call(url, "/v1/completions", {**body, "prompt": prompt_ids[index], "seed": seeds[index]})
+            choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
+            if len(choices) != n:
+                raise StockServerError(f"vLLM server {url} returned {len(choices)} samples for one prompt, not {n}")
+            return choices
+
+        tokens, logprobs, truncated = [], [], []
+        for choices in self._pool.map(one, range(len(prompt_ids))):
+            for choice in choices:
+                ids = choice.get("token_ids")
+                values = (choice.get("logprobs") or {}).get("token_logprobs")
+                if ids is None or values is None or len(values) != len(ids):
+                    raise StockServerError("a vLLM server returned a sample without its token ids and log-probs: "
+                                           "is it vLLM 0.32 or newer?")
+                tokens.append(ids)
+                logprobs.append([float(v) for v in values])
+                truncated.append(choice.get("finish_reason") == "length")
+        return Generation.from_lists([ids or [self.pad_token_id] for ids in tokens], logprobs, truncated,
+                                     self.pad_token_id, weights_version=self.weights_version)
+
+    def update_weights(self, weights: WeightsIterator, version: int) -> dict[str, float]:
+        from safetensors.torch import save_file
+
+        if self._folder is None:
+            raise RuntimeError("StockVLLMEngine.update_weights before start()")
+        start = time.perf_counter()
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights}
+        for alias, name in self.aliases.items():  # a copy: safetensors refuses two names on one storage
+            if alias not in tensors and name in tensors:
+                tensors[alias] = tensors[name].clone()
+        # a fresh folder per version: a server never reads a half-written file of the next one
+        folder = self._folder / f"v{version}"
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        size, count = sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)
+        del tensors
+        written = time.perf_counter()
+        self._each("/pause?mode=wait", {})
+        try:
+            self._each("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+            self._each("/update_weight_version", {"new_version": str(version)})
+            self._each("/reset_prefix_cache", {})
+        finally:
+            self._each("/resume", {})
+        for old in self._folder.iterdir():
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        self.weights_version = version
+        return {"bytes": float(size), "tensors": float(count),
+                "seconds": time.perf_counter() - start, "write_seconds": written - start}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+__all__ = ["StockServerError", "StockVLLMEngine"]
