@@ -6,6 +6,7 @@ CI runs it in the vLLM environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -36,6 +37,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(folder: Path, key: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """A stock vLLM server of ``folder`` on a free port of 127.0.0.1, as docs/vllm.md starts one."""
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
+             "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
+             "processed_logprobs", "--host", "127.0.0.1", "--port", str(port), "--api-key", key],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited: {log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return process, url
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("the vLLM server did not start in 240 s") from None
+            time.sleep(1)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """tiny-successor-h32 (vLLM's CPU attention has no kernel for heads of 16) exported with
@@ -43,33 +77,12 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("stock") / "model"
     subprocess.run([sys.executable, "-m", "gspo_lightning.cli", "export-model", "--model", "builtin:tiny-successor-h32",
                     "--out", str(folder)], check=True, capture_output=True)
-    port, key = free_port(), secrets.token_hex(16)
-    log = open(folder.parent / "server.log", "w")
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
-         "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
-         "processed_logprobs", "--host", "127.0.0.1", "--port", str(port), "--api-key", key],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    key = secrets.token_hex(16)
+    process, url = start_server(folder, key, folder.parent / "server.log")
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, open(folder.parent / "server.log").read()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the vLLM server did not start in 240 s"
-                time.sleep(1)
         yield {"url": url, "key": key, "folder": folder}
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+        stop_server(process)
 
 
 def spec_of(folder: Path, policy=None) -> EngineSpec:
@@ -150,3 +163,43 @@ def test_a_server_too_short_for_the_run_is_refused(server, monkeypatch):
     with pytest.raises(ConfigError, match="takes sequences up to 64 tokens.*needs 76.*--max-model-len 76"):
         engine.start(spec)
     engine.close()
+
+
+def weight_version(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/weight_info", timeout=10) as reply:
+        version = json.loads(reply.read())["weight_version"]
+    return int(version) if version not in (None, "") and str(version).lstrip("-").isdigit() else -1
+
+
+def test_a_replica_that_dies_mid_run_loses_nothing(server, tmp_path):
+    """Two replicas; one is killed mid-run: the run stops with one line naming its URL, the last
+    finished step is saved, and the run resumes on the replica left and ends."""
+    second, second_url = start_server(server["folder"], server["key"], tmp_path / "second.log")
+    run = tmp_path / "run"
+    env = {**os.environ, "GSPO_TEST_VLLM_KEY": server["key"], "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(ROOT / "configs/quickstart_stock_vllm.yaml"),
+               "--trainer.max_steps=40", "--trainer.val_check_interval=1000", "--trainer.num_sanity_val_steps=0",
+               "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run}", "--model.export_on_fit_end=false",
+               "--model.engine.init_args.api_key_env=GSPO_TEST_VLLM_KEY", "--checkpoint.every_n_train_steps=1000"]
+    try:
+        fit = subprocess.Popen([*command, f"--model.engine.init_args.base_urls=[{server['url']}, {second_url}]"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 300
+        while weight_version(second_url) < 40:  # ten rollout steps in (4 optimizer steps each)
+            assert fit.poll() is None and time.monotonic() < deadline, fit.stdout.read()[-3000:] if fit.poll() else "slow"
+            time.sleep(0.2)
+        second.kill()  # mid-run: the next generation or reload on it fails
+        out, _ = fit.communicate(timeout=300)
+    finally:
+        stop_server(second)
+    assert fit.returncode != 0
+    checkpoint = next(run.glob("csv/version_0/checkpoints/last.ckpt"))
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
+    line = next(line for line in out.splitlines() if "is saved in" in line)
+    assert second_url in line and f"resume with --ckpt_path {checkpoint}" in line, out[-3000:]
+    assert saved >= 9  # the steps before the failure are kept
+    resumed = subprocess.run([*command, f"--model.engine.init_args.base_urls=[{server['url']}]", f"--ckpt_path={checkpoint}"],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(next(run.glob("csv/version_0/checkpoints/last.ckpt")), map_location="cpu",
+                      weights_only=True)["global_step"] == 40
