@@ -18,9 +18,11 @@ import lightning as L
 from torch.utils.data import DataLoader, Sampler
 
 from gspo_lightning.data.datasets import BUILTIN_FILES
+from gspo_lightning.data.images import load_images
 from gspo_lightning.data.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
 from gspo_lightning.data.verifiers import VerifiersTasks, verifiers_rows
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.models.vision import ImageRenderer, load_image_processor
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +195,10 @@ class PromptDataModule(L.LightningDataModule):
             message goes first in the environment's ``first_messages``).
         verifiers: the tasks of the verifiers environment of ``model.episodes.verifiers`` (the
             ``gspo`` command sets them), which ``path: verifiers`` reads.
+        images_field: the column of a row's images, for a vision-language model: one image or a
+            list (paths from the data file's folder, bytes, PIL images, ``{"bytes": ...}``). A text
+            prompt gets one image part per image before its text; chat messages place their own
+            ``{"type": "image"}`` parts. A row without the column is a text prompt.
     """
 
     def __init__(
@@ -216,6 +222,7 @@ class PromptDataModule(L.LightningDataModule):
         val_batch_size: int = 32,
         episodes: bool = False,
         verifiers: Optional[VerifiersTasks] = None,
+        images_field: str = "images",
     ):
         super().__init__()
         if episodes and system_prompt:
@@ -229,6 +236,7 @@ class PromptDataModule(L.LightningDataModule):
             raise ConfigError(f"data.prompt_length must be >= 1, got {prompt_length}")
         self.save_hyperparameters()
         self.tokenizer = None  # loaded from hparams.tokenizer on first use, or set directly
+        self.image_renderer: Optional[ImageRenderer] = None  # built on the first row with images
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
         self.test_rows: list[dict] = []
@@ -268,11 +276,26 @@ class PromptDataModule(L.LightningDataModule):
             raise TypeError(f"prompt column {hp.prompt_field!r} holds {type(value).__name__}, not text or messages")
         return value
 
-    def render(self, row: dict) -> str:
-        """The prompt text of a row (template and chat template applied)."""
+    def _get_image_renderer(self) -> ImageRenderer:
+        if self.image_renderer is None:
+            if self.hparams.tokenizer is None:
+                raise ConfigError("rows with images need the model's image processor: set data.tokenizer to the model "
+                                  "(the gspo command links it to model.model_name_or_path)")
+            self.image_renderer = ImageRenderer(self._get_tokenizer(), load_image_processor(self.hparams.tokenizer))
+        return self.image_renderer
+
+    def render(self, row: dict, num_images: int = 0) -> str:
+        """The prompt text of a row (template and chat template applied); with ``num_images``,
+        a text prompt gets that many image parts before its text."""
         hp = self.hparams
         tokenizer = self._get_tokenizer()
         prompt = self.raw_prompt(row)
+        if num_images and isinstance(prompt, str):
+            content = [*({"type": "image"} for _ in range(num_images)), {"type": "text", "text": prompt}]
+            messages = [{"role": "user", "content": content}]
+            if hp.system_prompt:
+                messages.insert(0, {"role": "system", "content": hp.system_prompt})
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if isinstance(prompt, list):
             return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         if hp.use_chat_template and has_chat_template(tokenizer):  # without one: plain text, warned in _prepare
@@ -288,17 +311,31 @@ class PromptDataModule(L.LightningDataModule):
         if not hp.episodes and hp.messages_field is None and rows and not isinstance(rows[0].get(hp.prompt_field), list):
             warn_chat_template_mismatch(tokenizer, hp.use_chat_template, hp.tokenizer)  # text prompts only
         kept, counts = [], {"truncated": 0, "dropped": 0, "bad": 0}
+        base_dir = None if source.startswith(BUILTIN_PREFIX) else resolve_path(source).parent  # of relative image paths
         for index, row in enumerate(rows):
+            image_inputs = None
             try:
                 prompt = self.raw_prompt(row)
-                text = self.render(row)
+                images = load_images(row.get(hp.images_field), base_dir)
+                text = self.render(row, num_images=len(images))
+                if images:  # each image token expanded to the image's patches
+                    ids, image_inputs = self._get_image_renderer().render(text, images)
             except (KeyError, IndexError, TypeError, ValueError) as err:
                 if hp.bad_rows == "error":
                     raise DataError(f"{source} row {index + 1}: cannot build a prompt ({type(err).__name__}: {err}); "
-                                    f"check data.prompt_field / data.prompt_template, or set data.bad_rows=skip") from None
+                                    f"check data.prompt_field / data.prompt_template / data.images_field, or set "
+                                    f"data.bad_rows=skip") from None
                 counts["bad"] += 1
                 continue
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if image_inputs is None:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            elif len(ids) > hp.prompt_length:  # cutting an image's tokens would break it
+                if hp.overlong_prompts != "drop" and hp.bad_rows == "error":
+                    raise DataError(f"{source} row {index + 1}: the prompt with its images is {len(ids)} tokens, over "
+                                    f"data.prompt_length={hp.prompt_length}, and a prompt with images cannot be cut: "
+                                    f"raise data.prompt_length, or set data.overlong_prompts=drop")
+                counts["dropped" if hp.overlong_prompts == "drop" else "bad"] += 1
+                continue
             if not ids:
                 if hp.bad_rows == "error":
                     raise DataError(f"{source} row {index + 1}: empty prompt; remove it or set data.bad_rows=skip")
@@ -311,7 +348,8 @@ class PromptDataModule(L.LightningDataModule):
                 counts["truncated"] += 1
                 ids = ids[-hp.prompt_length:] if hp.overlong_prompts == "truncate_left" else ids[:hp.prompt_length]
                 text = tokenizer.decode(ids)
-            kept.append({"prompt_ids": ids, "prompt": prompt, "prompt_text": text, "row": row})
+            kept.append({"prompt_ids": ids, "prompt": prompt, "prompt_text": text, "row": row,
+                         **({"images": image_inputs} if image_inputs is not None else {})})
         return kept, counts
 
     def setup(self, stage: str) -> None:
@@ -380,12 +418,15 @@ class PromptDataModule(L.LightningDataModule):
     def collate(items: list[dict]) -> dict[str, Any]:
         """One batch: token ids, raw prompts (text or messages), rendered text, other columns."""
         columns = {key: [item["row"].get(key) for item in items] for key in items[0]["row"]}
-        return {
+        batch = {
             "prompt_ids": [item["prompt_ids"] for item in items],
             "prompts": [item["prompt"] for item in items],
             "prompt_text": [item["prompt_text"] for item in items],
             "columns": columns,
         }
+        if any("images" in item for item in items):  # each prompt's image inputs (models/vision.py), None: none
+            batch["images"] = [item.get("images") for item in items]
+        return batch
 
     def _collate_train(self, items: list[dict]) -> dict[str, Any]:
         batch = self.collate(items)

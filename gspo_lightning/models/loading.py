@@ -86,8 +86,9 @@ def load_policy(
     attn_implementation: Optional[str] = None,
     trust_remote_code: bool = False,
 ):
-    """The causal LM to train. Weights load from safetensors when the checkpoint has them."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM to train (a vision-language model's image-text-to-text class when its
+    config has a vision tower). Weights load from safetensors when the checkpoint has them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -99,7 +100,9 @@ def load_policy(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+        return auto.from_pretrained(name_or_path, **kwargs)
     except OSError as err:
         raise _hub_error(name_or_path, err) from err
 

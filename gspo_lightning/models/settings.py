@@ -18,6 +18,8 @@ class Policy:
         gradient_checkpointing: recompute decoder activations in backward to save memory.
         trust_remote_code: allow a hub model's own Python code (off unless you trust it).
         gguf_file: the GGUF file inside the folder ``model_name_or_path`` (transformers' ``gguf_file``).
+        freeze_vision: a vision-language policy's vision tower gets no gradient and is shared with
+            the reference model (``false``: train it too).
     """
 
     dtype: Dtype = "float32"
@@ -25,6 +27,7 @@ class Policy:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     gguf_file: Optional[str] = None
+    freeze_vision: bool = True
 
     def problems(self) -> list[str]:
         try:

@@ -48,12 +48,31 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     extra_config: dict = field(default_factory=dict)
     chat_template: str = CHAT_TEMPLATE
+    # a vision-language model (Qwen2.5-VL's architecture): the vision tower's shape, and the side
+    # in pixels every image is resized to (``models/vision.py`` renders images for it)
+    vision: Optional[dict] = None
+    image_side: int = 56
 
 
 ECHO_WORDS = ("repeat", *[str(d) for d in range(10)])
 SUCCESSOR_WORDS = ("next", *[str(d) for d in range(10)])
 # the lookup task's episodes (data/tasks/lookup.py): chat roles as words, a tool, six keys, digits
 LOOKUP_WORDS = ("user:", "assistant:", "tool:", "find", "get", "error", "a", "b", "c", "d", "e", "f", *[str(d) for d in range(10)])
+
+# the vision-language chat: an image part is the vision tokens around one image placeholder, which the
+# image renderer (models/vision.py) expands to the image's number of merged patches
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+COLOUR_WORDS = ("colour", "where", "red", "green", "blue", "yellow", "left", "right", "top", "bottom", "user:", "assistant:")
+# a vision tower of 2 blocks over 14-pixel patches, 2x2 patches merged into one language token:
+# a 56-pixel image is 16 patches and 4 tokens
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                   temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1], in_channels=3)
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
     # a 2-layer model over a 14-token vocabulary (the echo task: tests, experiments)
@@ -91,6 +110,12 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
             decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False, head_dim=16,
         ),
     ),
+    # a vision-language model (Qwen2.5-VL's architecture, 0.2M parameters) for the colour task
+    # (data/tasks/colours.py, configs/quickstart_vlm.yaml): heads of 32 dims, M-RoPE over 16 of them
+    "tiny-vlm": TinyModelSpec(words=COLOUR_WORDS, model_type="qwen2_5_vl", num_attention_heads=2, num_key_value_heads=1,
+                              vision=TINY_VISION, chat_template=VLM_CHAT_TEMPLATE,
+                              extra_config=dict(rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6],
+                                                                 "rope_theta": 10000.0})),
     # real text: BPE trained on the shipped GSM8K questions and answers
     "tiny-gsm8k": TinyModelSpec(tokenizer="bpe", corpus="gsm8k", bpe_vocab_size=2000, hidden_size=64),
     # a small model whose memory is dominated by a 32k vocabulary (benchmarks)
@@ -126,11 +151,12 @@ def _corpus_lines(corpus: str) -> Iterable[str]:
                 yield row["answer"]
 
 
-def _wrap_tokenizer(tok, chat_template: str = CHAT_TEMPLATE):
+def _wrap_tokenizer(tok, chat_template: str = CHAT_TEMPLATE, extra_special: tuple[str, ...] = ()):
     from transformers import PreTrainedTokenizerFast
 
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        **({"extra_special_tokens": list(extra_special)} if extra_special else {}),
     )
     wrapped.chat_template = chat_template
     wrapped.padding_side = "left"
@@ -142,11 +168,14 @@ def build_tokenizer(spec: TinyModelSpec):
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     if spec.tokenizer == "words":
-        vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *spec.words])}
+        extra = VISION_TOKENS if spec.vision else ()
+        vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *extra, *spec.words])}
         tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        if extra:  # matched before the whitespace split: "<|vision_start|><|image_pad|>" is two tokens
+            tok.add_special_tokens(list(extra))
         # WordLevel has no decoder of its own: the default joins tokens with single spaces
-        return _wrap_tokenizer(tok, spec.chat_template)
+        return _wrap_tokenizer(tok, spec.chat_template, extra)
     if spec.tokenizer == "bpe":
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
         tok.normalizer = normalizers.NFKC()
@@ -162,6 +191,8 @@ def build_config(spec: TinyModelSpec, tokenizer):
     from transformers import AutoConfig
 
     vocab_size = max(len(tokenizer), spec.vocab_size or 0)
+    if spec.vision:
+        return _vision_language_config(spec, tokenizer, vocab_size)
     return AutoConfig.for_model(
         spec.model_type,
         vocab_size=vocab_size,
@@ -179,6 +210,34 @@ def build_config(spec: TinyModelSpec, tokenizer):
     )
 
 
+def _vision_language_config(spec: TinyModelSpec, tokenizer, vocab_size: int):
+    """A Qwen2.5-VL config: the text model of the spec and its vision tower."""
+    from transformers import AutoConfig
+
+    start, image, end = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    text = dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+                num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
+                tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=None, **spec.extra_config)
+    return AutoConfig.for_model(
+        spec.model_type, text_config=text, vision_config={**spec.vision, "out_hidden_size": spec.hidden_size},
+        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def build_image_processor(spec: TinyModelSpec):
+    """The image processor of a builtin vision-language model: every image resized to
+    ``image_side`` pixels square (its patches and merge size from the vision tower)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    pixels = spec.image_side * spec.image_side
+    return Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels, patch_size=spec.vision["patch_size"],
+                                    merge_size=spec.vision["spatial_merge_size"],
+                                    temporal_patch_size=spec.vision["temporal_patch_size"])
+
+
 def get_spec(name: str) -> TinyModelSpec:
     key = name[len(BUILTIN_PREFIX):] if is_builtin(name) else name
     if key not in TINY_MODELS:
@@ -192,10 +251,11 @@ def get_spec(name: str) -> TinyModelSpec:
 def build_tiny_model(name: str, tokenizer, dtype=None):
     """A randomly initialized model of spec ``name`` (drawn from the current torch RNG)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = build_config(get_spec(name), tokenizer)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    spec = get_spec(name)
+    auto = AutoModelForImageTextToText if spec.vision else AutoModelForCausalLM
+    return auto.from_config(build_config(spec, tokenizer), dtype=dtype or torch.float32)
 
 
 def build_tiny(name: str, dtype=None):
@@ -213,4 +273,6 @@ def save_tiny(name: str, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if get_spec(name).vision:
+        build_image_processor(get_spec(name)).save_pretrained(out)
     return out

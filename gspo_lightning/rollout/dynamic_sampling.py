@@ -58,7 +58,7 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
                                              "scored", "turn_of_token")}
     episodes = first.turn_of_token is not None
     components: dict[str, list[Tensor]] = {k: [] for k in first.reward_components}
-    prompts, completions, turn_rewards = [], [], []
+    prompts, completions, turn_rewards, images = [], [], [], []
     for index, group in picks:
         r = rollouts[index]
         rows = slice(group * g, (group + 1) * g)
@@ -83,6 +83,8 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
         completions += r.completions[rows]
         if episodes:
             turn_rewards += r.turn_rewards[rows]
+        if first.images is not None:
+            images += r.images[rows]
     response_mask = torch.cat(parts["response_mask"])
     timings: dict[str, float] = {}
     for r in rollouts:  # every round's work counts in the step's phases
@@ -108,6 +110,7 @@ def select_groups(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_tok
         turn_of_token=torch.cat(parts["turn_of_token"]) if episodes else None,
         turn_rewards=turn_rewards if episodes else None,
         episode_stats=_mean_stats([r.episode_stats for r in rollouts]),
+        images=images if first.images is not None else None,
     )
 
 

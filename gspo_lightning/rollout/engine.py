@@ -161,6 +161,8 @@ class RolloutEngine(ABC):
     #: the base model's names; a LoRA policy's merged) or ``adapter`` (a LoRA policy's
     #: ``lora_A`` / ``lora_B`` alone, PEFT names: ``weight_sync.iter_adapter_weights``)
     weights_format: str = "full"
+    #: whether :meth:`generate` takes ``images`` (each prompt's image inputs, ``models/vision.py``)
+    takes_images: bool = False
 
     def __init__(self) -> None:
         self.weights_version = -1  # the policy version whose weights the engine holds

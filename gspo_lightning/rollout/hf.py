@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
+from gspo_lightning.models.vision import ImageInputs, is_vision_language, vision_forward_inputs
 from gspo_lightning.rollout import kv_decode, stop
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.phases import PHASES
@@ -73,6 +74,7 @@ class HFEngine(RolloutEngine):
     """
 
     shares_policy_weights = True  # the same module object as the policy: always current
+    takes_images = True  # a vision-language policy's prompts carry their images (``generate(images=...)``)
 
     def __init__(self, generation_batch_size: Optional[int] = None):
         super().__init__()
@@ -94,12 +96,16 @@ class HFEngine(RolloutEngine):
         self.all_finished = spec.lockstep
 
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int,
-                 on_group: Optional[GroupDone] = None) -> Generation:
+                 on_group: Optional[GroupDone] = None, images: Optional[list[Optional[ImageInputs]]] = None) -> Generation:
         """``n`` responses to each prompt; ``on_group(index, completions)`` is called as each group's
         responses have all ended (their token ids up to and including the end token), while the
-        others still generate: their scoring can start (``rollout/scoring.py``)."""
+        others still generate: their scoring can start (``rollout/scoring.py``). ``images[i]``:
+        prompt ``i``'s images (``models/vision.py``), for a vision-language policy."""
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ConfigError("every prompt needs at least one token")
+        if images is not None and not is_vision_language(self.model):
+            raise ConfigError(f"the prompts have images, but the policy ({type(self.model).__name__}) is a text model: "
+                              "use a vision-language model, or drop the data's images column")
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         # chunks hold whole groups: generation_batch_size responses -> that many // n prompts
@@ -107,7 +113,8 @@ class HFEngine(RolloutEngine):
         # FSDP2: gather the weights once for the whole call, not in every decoded token's forward
         with gathered(self.model) as sharded:
             parts = [self._sample_groups(prompt_ids[i:i + per_chunk], n, params, generator, device, lockstep=not sharded,
-                                         on_group=None if on_group is None else _offset(on_group, i))
+                                         on_group=None if on_group is None else _offset(on_group, i),
+                                         images=None if images is None else images[i:i + per_chunk])
                      for i in range(0, len(prompt_ids), per_chunk)]
         return _concat(parts, self.pad_token_id)
 
@@ -121,25 +128,31 @@ class HFEngine(RolloutEngine):
         return KV_CACHE_BUDGET_BYTES // (per_token * (max(len(p) for p in prompt_ids) + params.max_new_tokens))
 
     def _sample_groups(self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator, device,
-                       lockstep: bool = True, on_group: Optional[GroupDone] = None) -> Generation:
+                       lockstep: bool = True, on_group: Optional[GroupDone] = None,
+                       images: Optional[list[Optional[ImageInputs]]] = None) -> Generation:
         """``n`` samples of each prompt. The prompt is prefilled once and its KV cache copied to
         the ``n`` samples, instead of prefilling every prompt ``n`` times."""
         with _grad_free_mode(self.model, sharded=self.all_finished is not None):
-            out = self._sample_groups_grad_free(prompts, n, params, generator, device, lockstep, on_group)
+            out = self._sample_groups_grad_free(prompts, n, params, generator, device, lockstep, on_group, images)
         # ordinary tensors again: the trainer saves the tokens for backward and edits results in place
         return Generation(*(t.clone() for t in (out.completion_ids, out.logprobs, out.lengths, out.truncated)))
 
     def _sample_groups_grad_free(self, prompts: list[list[int]], n: int, params: SamplingParams,
                                generator: torch.Generator, device, lockstep: bool = True,
-                               on_group: Optional[GroupDone] = None) -> Generation:
+                               on_group: Optional[GroupDone] = None,
+                               images: Optional[list[Optional[ImageInputs]]] = None) -> Generation:
         model = self.model
         was_training = model.training
         model.eval()
         try:
             input_ids, attention_mask = left_pad(prompts, self.pad_token_id, device)
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=True, logits_to_keep=1)
+            if is_vision_language(model):  # the images, and M-RoPE positions (the trainer computes the same)
+                inputs = vision_forward_inputs(model, input_ids, attention_mask, images or [None] * len(prompts))
+                position_ids = inputs["position_ids"]
+            else:
+                position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+                inputs = {"input_ids": input_ids, "position_ids": position_ids}
+            out = model(**inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
             feeds = params.max_new_tokens - 1  # no forward after the last token
             if kv_decode.supports(model):
@@ -202,7 +215,8 @@ class _CacheDecoder:
             cache.batch_repeat_interleave(repeat)
         self.model, self.cache = model, cache
         self.attention_mask = attention_mask.repeat_interleave(repeat, dim=0)
-        self.position_ids = position_ids[:, -1:].repeat_interleave(repeat, dim=0)
+        # (rows, length), or M-RoPE's (3, rows, length): each row goes on from its last position
+        self.position_ids = position_ids[..., -1:].repeat_interleave(repeat, dim=-2)
 
     def step(self, tokens: Tensor) -> Tensor:
         self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], dim=-1)

@@ -245,6 +245,8 @@ def rollout_to_dict(rollout: Rollout) -> dict[str, Any]:
             return value.detach().cpu()
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):  # a vision rollout's images: one dict of tensors (or None) per row
+            return [plain(v) for v in value]
         return value
     return {f.name: plain(getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
 

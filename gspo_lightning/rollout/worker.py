@@ -59,6 +59,13 @@ class Rollout:
     turn_of_token: Optional[Tensor] = None
     turn_rewards: Optional[list[list[float]]] = None
     episode_stats: dict[str, float] = field(default_factory=dict)
+    # a vision-language policy's prompts: each row's image inputs (models/vision.py; the rows of a
+    # group share one entry, so the trainer runs the vision tower once per prompt), None: no images
+    images: Optional[list] = field(default=None, repr=False)
+
+    def images_of(self, rows: Tensor) -> Optional[list]:
+        """The image inputs of ``rows`` (``None`` without images)."""
+        return None if self.images is None else [self.images[i] for i in rows.tolist()]
 
     @property
     def num_responses(self) -> int:
@@ -207,11 +214,17 @@ class RolloutWorker:
         raw_prompts = batch.get("prompts", batch["prompt_text"])
         # async reward functions (a judge) start on each group as it ends, while the rest generate
         groups = self._group_scorer(raw_prompts, batch["columns"], group_size) if self.stream_scoring else None
+        images = batch.get("images")
+        if images is not None and not self.engine.takes_images:
+            raise ConfigError(f"the prompts have images, which {type(self.engine).__name__} does not take: use the "
+                              "Hugging Face engine (model.engine: gspo_lightning.rollout.HFEngine) for a "
+                              "vision-language policy")
         start = time.perf_counter()
         self.engine.wake()
         try:
             generation = self.engine.generate(batch["prompt_ids"], group_size, params, seed,
-                                              **({"on_group": groups.submit} if groups is not None else {}))
+                                              **({"on_group": groups.submit} if groups is not None else {}),
+                                              **({"images": images} if images is not None else {}))
         except BaseException:
             if groups is not None:
                 groups.cancel()
@@ -233,6 +246,8 @@ class RolloutWorker:
         timings["time/score"] = time.perf_counter() - start
 
         tensors = build_rollout_tensors(batch["prompt_ids"], generation, group_size, self.tokenizer.pad_token_id, device)
+        if images is not None:
+            tensors["images"] = [entry for entry in images for _ in range(group_size)]
         return self._rollout(tensors, generation, scores, group_size, prompts, completions, timings, device)
 
     @property
@@ -287,6 +302,9 @@ class RolloutWorker:
         """Multi-turn episodes: the episode runner drives the engine turn by turn; reward
         functions score whole episodes (TRL's conversational ``completions``), plus the
         environment's turn rewards (component ``environment``)."""
+        if batch.get("images") is not None:
+            raise ConfigError("prompts with images run as single-turn rollouts for now: multi-turn episodes "
+                              "(model.episodes) do not take the data's images column")
         group_size = self.eval_group_size if evaluation else self.group_size
         params = self.eval_params if evaluation else self.train_params
         timings = {}

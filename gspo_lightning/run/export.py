@@ -20,8 +20,15 @@ from gspo_lightning.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
+def save_policy(policy, tokenizer, out_dir: str | Path, source: str | None = None) -> Path:
+    """``policy`` and ``tokenizer`` as a folder; a vision-language policy also gets the image
+    processor of ``source`` (the model it was loaded from), which ``AutoImageProcessor`` loads."""
     from transformers.utils import logging as hf_logging
+
+    from gspo_lightning.models.vision import is_vision_language, load_image_processor
+
+    if is_vision_language(policy) and source is None:
+        raise ConfigError("saving a vision-language policy needs the model it came from, for its image processor")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -36,6 +43,8 @@ def save_policy(policy, tokenizer, out_dir: str | Path) -> Path:
     policy.config.use_cache = False
     tokenizer.save_pretrained(out)
     check_auto_tokenizer(tokenizer, out)
+    if is_vision_language(policy):
+        load_image_processor(source).save_pretrained(out)
     return out
 
 
@@ -45,7 +54,7 @@ def save_lora_policy(policy, tokenizer, out_dir: str | Path, lora, base_model: s
     the base ``base_model``)."""
     from gspo_lightning.models.lora import base_model_copy, merged_state_dict, save_adapter
 
-    out = save_policy(base_model_copy(policy, merged_state_dict(policy)), tokenizer, out_dir)
+    out = save_policy(base_model_copy(policy, merged_state_dict(policy)), tokenizer, out_dir, base_model)
     save_adapter(policy, out / "adapter", base_model, lora)
     return out
 
@@ -74,7 +83,7 @@ def export_after_fit(policy, tokenizer, folder: Path, *, sharded: bool, trainer,
     if lora is not None:
         save_lora_policy(policy, tokenizer, folder, lora, base_model)
     else:
-        save_policy(policy, tokenizer, folder)
+        save_policy(policy, tokenizer, folder, base_model)
     what = " (LoRA merged; the adapter folder in adapter/)" if lora is not None else ""
     if best is not None and not best.best_model_path:
         print(f"policy exported to {folder}{what}: the last step's (export: best, but no held-out evaluation was kept)")
@@ -146,7 +155,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     missing = [k for k in missing if k not in tied]
     if unexpected or (missing and not all("lm_head" in k for k in missing)):
         raise ConfigError(f"checkpoint does not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return save_policy(policy, tokenizer, out_dir)
+    return save_policy(policy, tokenizer, out_dir, name)
 
 
 def export_model(name_or_path: str, out_dir: str | Path, dtype: str = "float32", gguf_file: str | None = None,
@@ -161,7 +170,7 @@ def export_model(name_or_path: str, out_dir: str | Path, dtype: str = "float32",
     tokenizer = load_tokenizer(name, trust_remote_code)
     torch.manual_seed(seed)  # a builtin model's random weights: the same for the same seed
     policy = load_policy(name, tokenizer, dtype, None, trust_remote_code)
-    return save_policy(policy, tokenizer, out_dir)
+    return save_policy(policy, tokenizer, out_dir, name)
 
 
 def _empty_or_new(folder: str) -> Path:

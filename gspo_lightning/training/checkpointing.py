@@ -2,7 +2,8 @@
 
 - Frozen weights (the KL reference, LoRA's base model) are not saved: they are the initial
   policy's, rebuilt from ``model_name_or_path`` when the module is built, and put back into
-  the loaded state dict (:func:`drop_frozen_weights`, :func:`restore_frozen_weights`).
+  the loaded state dict (:func:`drop_frozen_weights`, :func:`restore_frozen_weights`). A
+  vision-language policy's frozen vision tower is saved.
 - ``checkpoint["gspo"]`` (:func:`run_state`): the counters (``policy_version``,
   ``rollout_steps``), the running reward moments, the loggers' version folders (so that
   ``--ckpt_path`` continues them), the updater's skip counters, and every rank's rollouts
@@ -16,17 +17,36 @@ from typing import Any, Optional
 from torch import nn
 
 from gspo_lightning.models.lora import frozen_state_keys
+from gspo_lightning.models.vision import is_vision_language, vision_tower
 from gspo_lightning.training.rank_state import rank_states, restore_rank_state
 
 
+def _dropped_keys(module: nn.Module) -> set[str]:
+    """The frozen weights a checkpoint leaves out: all but the policy's frozen vision tower, which
+    is kept (a ``builtin:`` model's random tower could not be rebuilt from its name)."""
+    policy = getattr(module, "policy", None)
+    tower = vision_tower(policy) if policy is not None and is_vision_language(policy) else None
+    kept = set()
+    if tower is not None:
+        tower_params = {id(p) for p in tower.parameters()}
+        kept = {f"policy.{name}" for name, p in policy.named_parameters(remove_duplicate=False) if id(p) in tower_params}
+    return frozen_state_keys(module) - kept
+
+
 def drop_frozen_weights(checkpoint: dict, module: nn.Module) -> None:
-    frozen = frozen_state_keys(module)
-    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+    dropped = _dropped_keys(module)
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in dropped}
 
 
 def restore_frozen_weights(checkpoint: dict, module: nn.Module) -> None:
-    frozen = frozen_state_keys(module)
-    checkpoint["state_dict"].update({k: v for k, v in module.state_dict().items() if k in frozen})
+    """Put the left-out weights back, from the module as rebuilt; a weight the module shares under
+    another name that the checkpoint holds (the reference's vision tower is the policy's) takes
+    the checkpoint's value, so loading does not write the rebuilt one over it."""
+    saved = checkpoint["state_dict"]
+    current = module.state_dict(keep_vars=True)
+    by_tensor = {id(current[k]): value for k, value in saved.items() if k in current}
+    saved.update({k: by_tensor.get(id(v), v.detach()) for k, v in current.items()
+                  if k in _dropped_keys(module) and k not in saved})
 
 
 def logger_identity(logger) -> Optional[dict[str, Any]]:

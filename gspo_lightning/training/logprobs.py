@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gspo_lightning.models.hf_cache import cache_kwargs, output_cache, select_cache_rows
+from gspo_lightning.models.vision import is_vision_language, vision_forward_inputs
 from gspo_lightning.rollout.sampling import keep_mask
 
 # Response logits up to this size (float32 bytes, all rows) are projected in one piece and
@@ -274,21 +275,27 @@ def response_logprobs(
     top_p: float = 1.0,
     chunk_size: Optional[int] = 512,
     max_unchunked_bytes: int = MAX_UNCHUNKED_BYTES,
+    images: Optional[list] = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies ``(N, R)`` of the tokens after the first ``prompt_width``.
 
     ``input_ids`` is ``[left-padded prompt | right-padded response]``. ``chunk_size`` is
     the number of response tokens projected to the vocabulary at once when the response
     logits exceed ``max_unchunked_bytes``; ``None`` (or a model with logit post-processing)
-    takes the plain path through ``model.forward``.
+    takes the plain path through ``model.forward``, as does a vision-language model (``images[i]``:
+    row ``i``'s images, ``models/vision.py``).
     """
     targets = input_ids[:, prompt_width:]
-    if chunk_size is None or not supports_chunked(model):
-        position_ids = position_ids_from_mask(attention_mask)
+    vision = is_vision_language(model)
+    if chunk_size is None or vision or not supports_chunked(model):
+        if vision:  # the prompts' images and M-RoPE positions, computed as the engine computed them
+            inputs = vision_forward_inputs(model, input_ids, attention_mask, images or [None] * input_ids.shape[0],
+                                           image_columns=prompt_width)
+        else:
+            inputs = {"input_ids": input_ids, "position_ids": position_ids_from_mask(attention_mask)}
         # logits_to_keep: only the positions that predict response tokens (and the last one)
         width = input_ids.shape[1] - prompt_width + 1
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False, logits_to_keep=width).logits[:, :-1]
+        logits = model(**inputs, attention_mask=attention_mask, use_cache=False, logits_to_keep=width).logits[:, :-1]
         return token_logprobs(logits, targets, temperature, top_k, top_p)
 
     head = model.get_output_embeddings()

@@ -38,6 +38,7 @@ from gspo_lightning.models.cpu_attention import group_attention_on_cpu
 from gspo_lightning.models.gguf import resolve_model
 from gspo_lightning.models.loading import eos_token_ids, load_policy, load_tokenizer
 from gspo_lightning.models.lora import LoRA, adapters_disabled, attach_lora
+from gspo_lightning.models.vision import freeze_vision_tower, is_vision_language, share_vision_tower
 from gspo_lightning.models.settings import Policy
 from gspo_lightning.objective.advantages import Advantages, RunningMoments
 from gspo_lightning.objective.clip_budget import ClipBudget
@@ -197,6 +198,9 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             return
         cfg = self.settings
         policy = load_policy(self.model_source, self.tokenizer, cfg.policy.dtype, cfg.policy.attn_implementation, cfg.policy.trust_remote_code)
+        frozen_tower = is_vision_language(policy) and cfg.policy.freeze_vision
+        if frozen_tower:
+            freeze_vision_tower(policy)
         policy = attach_lora(policy, self.lora) if self.lora is not None else policy
         # from_pretrained returns eval mode, and neither Lightning nor transformers switch back:
         # gradient checkpointing and dropout act only in train mode
@@ -206,6 +210,8 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         self.policy.config.use_cache = False
         if self.needs_reference and self.lora is None:  # with LoRA the reference is the base: adapters off
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            if frozen_tower and self.device_mesh is None:  # (sharded, each model keeps its own shards)
+                share_vision_tower(self.policy, self.reference)
         if self.device_mesh is not None:  # set by ModelParallelStrategy (FSDP2)
             self._fully_shard(self.device_mesh)
         config = self.policy.config
@@ -336,6 +342,7 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
             # the chunked path calls the decoder and the head separately: under FSDP2 both are
             # their own units, unless the model has parameters outside them (training/sharding.py)
             chunk_size=cfg.update.logprob_chunk_size if self._chunked_logprobs else None,
+            images=rollout.images_of(rows),
         )
 
     def _logprobs_no_grad(self, model, rollout: Rollout) -> Tensor:

@@ -1,0 +1,48 @@
+"""The colour task: a vision-language model names the colour of a square in a generated image.
+
+Each row is a 56-pixel image (``builtin:tiny-vlm``'s size) of a grey background with one square of
+random size and place in red, green, blue or yellow (each channel jittered), and the prompt
+``colour``; the answer is the colour's word. The reward is 1 when the first word of the completion
+is the colour, so a policy that guesses scores 0.25. Nothing is learned before RL: the model starts
+from random weights, its vision tower frozen, and must learn to read the tower's random features.
+"""
+
+from __future__ import annotations
+
+import random
+
+from PIL import Image, ImageDraw
+
+from gspo_lightning.errors import ConfigError
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
+SIDE = 56
+BACKGROUND = (128, 128, 128)
+JITTER = 25
+
+
+def draw_square(colour: str, rng: random.Random) -> Image.Image:
+    """A grey image with one square of ``colour`` (a key of :data:`COLOURS`), size and place drawn from ``rng``."""
+    red, green, blue = (min(255, max(0, c + rng.randint(-JITTER, JITTER))) for c in COLOURS[colour])
+    size = rng.randint(18, 34)
+    left, top = rng.randint(0, SIDE - size), rng.randint(0, SIDE - size)
+    image = Image.new("RGB", (SIDE, SIDE), BACKGROUND)
+    ImageDraw.Draw(image).rectangle([left, top, left + size - 1, top + size - 1], fill=(red, green, blue))
+    return image
+
+
+def make_rows(num_rows: int, seed: int) -> list[dict]:
+    """Rows with a ``prompt``, one image in ``images`` and the ``target`` colour word."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        colour = rng.choice(sorted(COLOURS))
+        rows.append({"prompt": "colour", "images": [draw_square(colour, rng)], "target": colour})
+    return rows
+
+
+def colour_reward(prompts: list, completions: list[str], target: list[str], **columns) -> list[float]:
+    """1.0 where the completion's first word is the target colour, else 0.0."""
+    if len(completions) != len(target):
+        raise ConfigError(f"colour_reward got {len(completions)} completions but {len(target)} targets")
+    return [float(bool(c.split()) and c.split()[0] == t) for c, t in zip(completions, target)]

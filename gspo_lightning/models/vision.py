@@ -1,0 +1,186 @@
+"""Vision-language models: their images rendered into prompts, and what their forward needs.
+
+A prompt with images is token ids in which each image is a run of image tokens (one per merged
+patch), plus the image processor's output for it: ``pixel_values`` (every patch of every image,
+flattened) and ``image_grid_thw`` (each image's grid of patches). Qwen2-VL-style models place the
+image tokens with M-RoPE: three position ids per token (time, height, width), text tokens
+counting on after an image from its largest side. Generation and training must use the same
+positions, so both compute them here, with the model's own ``get_rope_index``, from the same ids.
+
+Why not ``AutoProcessor``: transformers' Qwen-VL processors also hold a video processor, which
+needs torchvision even for images (and torchvision has no CPU build for every torch). Rendering
+is the chat template, the image processor and one expansion, done here with the model's own
+image token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from gspo_lightning.errors import ConfigError
+
+# a prompt's images as the model takes them: {"pixel_values": (patches, D), "image_grid_thw": (images, 3)}
+ImageInputs = dict[str, Tensor]
+VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    """Whether ``model`` takes images (its config has a vision tower)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def vision_tower(model: nn.Module) -> Optional[nn.Module]:
+    """The module that encodes images (Qwen-VL's ``visual``), or ``None``."""
+    for module in model.modules():
+        for name in VISION_TOWER_NAMES:
+            tower = getattr(module, name, None)
+            if isinstance(tower, nn.Module):
+                return tower
+    return None
+
+
+def freeze_vision_tower(model: nn.Module) -> int:
+    """Stop gradients into the vision tower; returns how many parameters were frozen."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ConfigError(f"{type(model).__name__} has no vision tower ({', '.join(VISION_TOWER_NAMES)}) to freeze")
+    frozen = 0
+    for parameter in tower.parameters():
+        parameter.requires_grad_(False)
+        frozen += parameter.numel()
+    return frozen
+
+
+def share_vision_tower(source: nn.Module, target: nn.Module) -> None:
+    """Make ``target`` (a copy of ``source``, the reference) use ``source``'s frozen vision tower
+    instead of its own copy: one tower in memory."""
+    tower = vision_tower(source)
+    for module in target.modules():
+        for name in VISION_TOWER_NAMES:
+            if isinstance(getattr(module, name, None), nn.Module):
+                setattr(module, name, tower)
+                return
+    raise ConfigError(f"{type(target).__name__} has no vision tower to share")
+
+
+def load_image_processor(name_or_path: str, trust_remote_code: bool = False):
+    """The image processor of a model: a builtin's, or the one saved in its folder."""
+    from gspo_lightning.models.tiny import build_image_processor, get_spec, is_builtin
+
+    if is_builtin(name_or_path):
+        spec = get_spec(name_or_path)
+        if not spec.vision:
+            raise ConfigError(f"{name_or_path} is a text model: it takes no images (use builtin:tiny-vlm)")
+        return build_image_processor(spec)
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{name_or_path} has no image processor (preprocessor_config.json): {err}") from None
+
+
+class ImageRenderer:
+    """Token ids and model inputs of prompts with images.
+
+    Args:
+        tokenizer: the model's tokenizer, whose vocabulary has the image token.
+        image_processor: turns images into ``pixel_values`` and ``image_grid_thw``.
+        image_token: the placeholder the chat template writes once per image.
+    """
+
+    def __init__(self, tokenizer, image_processor, image_token: str = "<|image_pad|>"):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ConfigError(f"the tokenizer has no image token {image_token!r}: is the model a vision-language one?")
+        self.merge = int(getattr(image_processor, "merge_size", 1) or 1)
+
+    def render(self, text: str, images: list) -> tuple[list[int], ImageInputs]:
+        """``text`` (after the chat template, one image token per image) with each image token
+        expanded to that image's merged patches, and the images' model inputs."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        placeholders = sum(1 for i in ids if i == self.image_token_id)
+        if placeholders != len(images):
+            raise ValueError(f"the prompt has {placeholders} image placeholder(s) for {len(images)} image(s)")
+        inputs = self.image_processor(images=images, return_tensors="pt")
+        tokens_per_image = (inputs["image_grid_thw"].prod(-1) // (self.merge * self.merge)).tolist()
+        expanded, image = [], 0
+        for token in ids:
+            if token == self.image_token_id:
+                expanded.extend([token] * tokens_per_image[image])
+                image += 1
+            else:
+                expanded.append(token)
+        return expanded, {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def _rope_index_owner(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if hasattr(module, "get_rope_index") and callable(module.get_rope_index):
+            return module
+    raise ConfigError(f"{type(model).__name__} has no get_rope_index: only Qwen-VL-style (M-RoPE) models take images")
+
+
+def _image_features(model: nn.Module, entries: list[ImageInputs]) -> list[Tensor]:
+    """Each entry's image embeddings ``(tokens, hidden)``, one vision-tower pass over them all;
+    without gradients when the tower is frozen."""
+    tower = vision_tower(model)
+    device = next(model.parameters()).device
+    pixel_values = torch.cat([entry["pixel_values"] for entry in entries]).to(device)
+    grid = torch.cat([entry["image_grid_thw"] for entry in entries]).to(device)
+    trains_tower = tower is not None and any(p.requires_grad for p in tower.parameters())
+    with contextlib.nullcontext() if trains_tower else torch.no_grad():
+        per_image = model.get_image_features(pixel_values, grid, return_dict=True).pooler_output
+    features, first = [], 0
+    for entry in entries:
+        count = entry["image_grid_thw"].shape[0]
+        features.append(torch.cat(per_image[first:first + count]))
+        first += count
+    return features
+
+
+def vision_forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                          images: list[Optional[ImageInputs]], image_columns: Optional[int] = None) -> dict[str, Any]:
+    """The inputs of a vision-language forward over ``input_ids`` (rows left- and right-padded):
+    ``inputs_embeds`` with each row's image embeddings in place of its image tokens, and the
+    M-RoPE ``position_ids`` ``(3, rows, length)``. ``images[i]``: row ``i``'s images (``None``:
+    none). Rows that share an entry (a group's) share one pass of the vision tower.
+
+    Only image tokens in the first ``image_columns`` columns (the prompt) are images: a sampled
+    response may hold the image token too, and is then text, as it was to the engine that
+    sampled it (its decode steps had no images)."""
+    if len(images) != input_ids.shape[0]:
+        raise ValueError(f"{len(images)} image entries for {input_ids.shape[0]} rows")
+    image_mask = input_ids == model.config.image_token_id
+    if image_columns is not None:
+        image_mask[:, image_columns:] = False
+    distinct: dict[int, ImageInputs] = {}
+    for entry in images:
+        if entry is not None and entry["image_grid_thw"].numel():
+            distinct.setdefault(id(entry), entry)
+    embeds = model.get_input_embeddings()(input_ids)
+    grid = None
+    if distinct:
+        features = dict(zip(distinct, _image_features(model, list(distinct.values()))))
+        rows = [features[id(entry)] for entry in images if entry is not None and id(entry) in features]
+        flat = torch.cat(rows).to(embeds.dtype)
+        if flat.shape[0] != int(image_mask.sum()):
+            raise ValueError(f"the prompts hold {int(image_mask.sum())} image tokens for {flat.shape[0]} image embeddings: "
+                             "render prompts with models.vision.ImageRenderer")
+        embeds = embeds.masked_scatter(image_mask[..., None].expand_as(embeds), flat)
+        grid = torch.cat([entry["image_grid_thw"] for entry in images
+                          if entry is not None and id(entry) in features]).to(input_ids.device)
+    elif image_mask.any():
+        raise ValueError("the prompts hold image tokens but no images were given")
+    position_ids, _ = _rope_index_owner(model).get_rope_index(input_ids, image_mask.int(), image_grid_thw=grid,
+                                                              attention_mask=attention_mask)
+    return {"inputs_embeds": embeds, "position_ids": position_ids}
+
+
+__all__ = ["ImageInputs", "ImageRenderer", "freeze_vision_tower", "share_vision_tower", "is_vision_language", "load_image_processor",
+           "vision_forward_inputs", "vision_tower"]
