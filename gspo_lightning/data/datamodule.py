@@ -22,7 +22,7 @@ from gspo_lightning.data.images import load_images
 from gspo_lightning.data.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
 from gspo_lightning.data.verifiers import VerifiersTasks, verifiers_rows
 from gspo_lightning.errors import ConfigError
-from gspo_lightning.models.vision import ImageRenderer, load_image_processor
+from gspo_lightning.models.vision import ImageInputs, ImageRenderer, load_image_processor
 
 log = logging.getLogger(__name__)
 
@@ -348,8 +348,10 @@ class PromptDataModule(L.LightningDataModule):
                 counts["truncated"] += 1
                 ids = ids[-hp.prompt_length:] if hp.overlong_prompts == "truncate_left" else ids[:hp.prompt_length]
                 text = tokenizer.decode(ids)
+            # a prompt's pixels are rendered again when its batch is built: kept for every row, they
+            # would hold megabytes per image of a real dataset in memory for the whole run
             kept.append({"prompt_ids": ids, "prompt": prompt, "prompt_text": text, "row": row,
-                         **({"images": image_inputs} if image_inputs is not None else {})})
+                         **({"image_dir": base_dir} if image_inputs is not None else {})})
         return kept, counts
 
     def setup(self, stage: str) -> None:
@@ -414,9 +416,9 @@ class PromptDataModule(L.LightningDataModule):
         return self._prepare(rows, hp.test_path)[0]
 
     # -- loaders -----------------------------------------------------------------------
-    @staticmethod
-    def collate(items: list[dict]) -> dict[str, Any]:
-        """One batch: token ids, raw prompts (text or messages), rendered text, other columns."""
+    def collate(self, items: list[dict]) -> dict[str, Any]:
+        """One batch: token ids, raw prompts (text or messages), rendered text, other columns, and
+        for prompts with images their model inputs (``images``; ``None`` for a text prompt)."""
         columns = {key: [item["row"].get(key) for item in items] for key in items[0]["row"]}
         batch = {
             "prompt_ids": [item["prompt_ids"] for item in items],
@@ -424,9 +426,18 @@ class PromptDataModule(L.LightningDataModule):
             "prompt_text": [item["prompt_text"] for item in items],
             "columns": columns,
         }
-        if any("images" in item for item in items):  # each prompt's image inputs (models/vision.py), None: none
-            batch["images"] = [item.get("images") for item in items]
+        if any("image_dir" in item for item in items):  # each prompt's image inputs (models/vision.py)
+            batch["images"] = [self._image_inputs(item) if "image_dir" in item else None for item in items]
         return batch
+
+    def _image_inputs(self, item: dict) -> ImageInputs:
+        """The pixels of a prompt whose ids ``_prepare`` rendered (the same images, so the same ids)."""
+        images = load_images(item["row"].get(self.hparams.images_field), item["image_dir"])
+        ids, inputs = self._get_image_renderer().render(item["prompt_text"], images)
+        if ids != item["prompt_ids"]:
+            raise DataError(f"the images of prompt {item['prompt_text'][:60]!r} changed since the data was read "
+                            f"({len(ids)} tokens, were {len(item['prompt_ids'])}): keep image files unchanged during a run")
+        return inputs
 
     def _collate_train(self, items: list[dict]) -> dict[str, Any]:
         batch = self.collate(items)

@@ -31,11 +31,17 @@ def draw_square(colour: str, rng: random.Random) -> Image.Image:
     return image
 
 
+# rows drawn at most: the data module renders every image once when it reads the data (20,000
+# images would take half a minute); a run of 40 steps of 16 prompts uses 640
+MAX_ROWS = 2048
+
+
 def make_rows(num_rows: int, seed: int) -> list[dict]:
-    """Rows with a ``prompt``, one image in ``images`` and the ``target`` colour word."""
+    """Rows with a ``prompt``, one image in ``images`` and the ``target`` colour word
+    (at most :data:`MAX_ROWS`)."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(num_rows):
+    for _ in range(min(num_rows, MAX_ROWS)):
         colour = rng.choice(sorted(COLOURS))
         rows.append({"prompt": "colour", "images": [draw_square(colour, rng)], "target": colour})
     return rows
