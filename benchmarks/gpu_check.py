@@ -8,8 +8,9 @@ Stages (each in its own process, with a time limit, so one failure leaves the ot
 - ``pytest``: the tests marked ``gpu`` (FSDP2 on one GPU, FSDP1's refusal, DeepSpeed ZeRO-3 where installed).
 - ``quickstart``: ``gspo fit --config configs/quickstart.yaml`` on the GPU in bf16 (weights and
   precision ``bf16-true``): the reward must still rise.
-- ``async``, ``sapo``, ``cispo``, ``gmpo``, ``lora``, ``episodes``: the same for the asynchronous run, the
-  objectives beside GSPO's clip, LoRA adapters and multi-turn episodes with a tool (``QUICKSTARTS``).
+- ``async``, ``sapo``, ``cispo``, ``gmpo``, ``lora``, ``episodes``, ``vlm``: the same for the asynchronous run,
+  the objectives beside GSPO's clip, LoRA adapters, multi-turn episodes with a tool and the vision-language
+  colour recipe (``QUICKSTARTS``).
 - ``memory``: a random-init model of Qwen3-0.6B's shape (28 layers, hidden 1024, 151,936-token
   vocabulary, built here: nothing is downloaded), a few GSPO steps with a KL reference per case;
   per phase (generate, no-grad log-prob passes, update, optimizer step) the peak GPU memory of a
@@ -64,6 +65,8 @@ QUICKSTARTS = {
     "sapo": ("configs/quickstart.yaml", ["--model.policy_loss_type=sapo"]),
     "cispo": ("configs/quickstart.yaml", ["--model.policy_loss_type=cispo"]),
     "gmpo": ("configs/quickstart.yaml", ["--model.policy_loss_type=gmpo"]),
+    # vision-language: the tiny Qwen2.5-VL-architecture model names colours in generated images
+    "vlm": ("configs/quickstart_vlm.yaml", []),
 }
 
 
@@ -270,7 +273,7 @@ def quickstart_summary(folder: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--stages", default="pytest,quickstart,async,lora,episodes,sapo,cispo,gmpo,memory")
+    parser.add_argument("--stages", default="pytest,quickstart,async,lora,episodes,sapo,cispo,gmpo,vlm,memory")
     parser.add_argument("--stage_timeout", type=int, default=240, help="seconds each gspo fit may run")
     parser.add_argument("--quickstart_steps", type=int, default=100)
     parser.add_argument("--cases", default=",".join(MEMORY_CASES))

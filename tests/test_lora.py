@@ -136,7 +136,8 @@ def test_the_reference_is_the_base_with_no_second_copy(base_folder):
     perturb_adapters(module.policy)
     base, tokenizer = load(base_folder)
     mask = torch.ones_like(IDS)
-    rollout = type("R", (), {"input_ids": IDS, "attention_mask": mask, "prompt_width": 3, "num_responses": 1})()
+    rollout = type("R", (), {"input_ids": IDS, "attention_mask": mask, "prompt_width": 3, "num_responses": 1,
+                              "images_of": lambda self, rows: None})()
     reference = module._reference_logprobs(rollout)
     expected, _ = response_logprobs(base.eval(), IDS, mask, 3)
     torch.testing.assert_close(reference, expected, rtol=1e-6, atol=1e-6)

@@ -144,21 +144,39 @@ def _image_features(model: nn.Module, entries: list[ImageInputs]) -> list[Tensor
     return features
 
 
-def vision_forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                          images: list[Optional[ImageInputs]], image_columns: Optional[int] = None) -> dict[str, Any]:
-    """The inputs of a vision-language forward over ``input_ids`` (rows left- and right-padded):
-    ``inputs_embeds`` with each row's image embeddings in place of its image tokens, and the
-    M-RoPE ``position_ids`` ``(3, rows, length)``. ``images[i]``: row ``i``'s images (``None``:
-    none). Rows that share an entry (a group's) share one pass of the vision tower.
+# the logit of a token a vision-language policy never samples: finite, so that its probability is
+# exactly 0 and p * log p is 0 (an infinite one would make the entropy NaN)
+NEVER_SAMPLED_LOGIT = -1e30
 
-    Only image tokens in the first ``image_columns`` columns (the prompt) are images: a sampled
-    response may hold the image token too, and is then text, as it was to the engine that
-    sampled it (its decode steps had no images)."""
+
+def placeholder_token_ids(model: nn.Module) -> list[int]:
+    """The tokens that stand for an image's (or a video's) patches in a vision-language model's
+    input. The policy never samples them: a sampled one could not be told from an image's, so
+    engines and trainer alike give them probability 0 (:func:`never_sample_placeholders`)."""
+    config = model.config
+    return [int(t) for t in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+            if t is not None and t < model.get_output_embeddings().out_features]
+
+
+def never_sample_placeholders(logits: Tensor, placeholders: list[int]) -> Tensor:
+    """``logits`` with the placeholder tokens at :data:`NEVER_SAMPLED_LOGIT` (out of place, so
+    gradients flow to the other logits)."""
+    if not placeholders:
+        return logits
+    index = torch.tensor(placeholders, device=logits.device)
+    return logits.index_fill(-1, index, NEVER_SAMPLED_LOGIT)
+
+
+def vision_forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                          images: list[Optional[ImageInputs]]) -> dict[str, Any]:
+    """The inputs of a vision-language forward over ``input_ids`` (rows left- and right-padded):
+    ``inputs_embeds`` with each row's image embeddings in place of its image tokens, in order,
+    and the M-RoPE ``position_ids`` ``(3, rows, length)``. ``images[i]``: row ``i``'s images
+    (``None``: none), those of its prompt and of its episode's environment turns. Rows that share
+    an entry (a group's) share one pass of the vision tower."""
     if len(images) != input_ids.shape[0]:
         raise ValueError(f"{len(images)} image entries for {input_ids.shape[0]} rows")
     image_mask = input_ids == model.config.image_token_id
-    if image_columns is not None:
-        image_mask[:, image_columns:] = False
     distinct: dict[int, ImageInputs] = {}
     for entry in images:
         if entry is not None and entry["image_grid_thw"].numel():
@@ -182,5 +200,5 @@ def vision_forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: T
     return {"inputs_embeds": embeds, "position_ids": position_ids}
 
 
-__all__ = ["ImageInputs", "ImageRenderer", "freeze_vision_tower", "share_vision_tower", "is_vision_language", "load_image_processor",
+__all__ = ["NEVER_SAMPLED_LOGIT", "ImageInputs", "ImageRenderer", "never_sample_placeholders", "placeholder_token_ids", "freeze_vision_tower", "share_vision_tower", "is_vision_language", "load_image_processor",
            "vision_forward_inputs", "vision_tower"]

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.models.hf_cache import cache_kwargs, output_cache
-from gspo_lightning.models.vision import ImageInputs, is_vision_language, vision_forward_inputs
+from gspo_lightning.models.vision import (ImageInputs, is_vision_language, never_sample_placeholders, placeholder_token_ids,
+                                          vision_forward_inputs)
 from gspo_lightning.rollout import kv_decode, stop
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams
 from gspo_lightning.rollout.phases import PHASES
@@ -153,7 +154,9 @@ class HFEngine(RolloutEngine):
                 position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
                 inputs = {"input_ids": input_ids, "position_ids": position_ids}
             out = model(**inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
+            # a vision-language policy never samples an image placeholder (the trainer scores the same way)
+            placeholders = placeholder_token_ids(model) if is_vision_language(model) else []
+            logits = never_sample_placeholders(out.logits[:, -1, :].float(), placeholders).repeat_interleave(n, dim=0)
             feeds = params.max_new_tokens - 1  # no forward after the last token
             if kv_decode.supports(model):
                 decoder = kv_decode.KVDecoder(model, output_cache(out), attention_mask, n, feeds)
@@ -185,7 +188,7 @@ class HFEngine(RolloutEngine):
                     done = self.all_finished(done)
                 if done:
                     break
-                logits = decoder.step(token)
+                logits = never_sample_placeholders(decoder.step(token), placeholders)
             completion_ids, token_logprobs = completion_ids[:, :width], token_logprobs[:, :width]
             if groups is not None:  # the groups cut by the token budget
                 groups.report(torch.ones_like(finished), completion_ids)

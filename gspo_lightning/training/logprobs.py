@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gspo_lightning.models.hf_cache import cache_kwargs, output_cache, select_cache_rows
-from gspo_lightning.models.vision import is_vision_language, vision_forward_inputs
+from gspo_lightning.models.vision import is_vision_language, never_sample_placeholders, placeholder_token_ids, vision_forward_inputs
 from gspo_lightning.rollout.sampling import keep_mask
 
 # Response logits up to this size (float32 bytes, all rows) are projected in one piece and
@@ -288,14 +288,15 @@ def response_logprobs(
     targets = input_ids[:, prompt_width:]
     vision = is_vision_language(model)
     if chunk_size is None or vision or not supports_chunked(model):
-        if vision:  # the prompts' images and M-RoPE positions, computed as the engine computed them
-            inputs = vision_forward_inputs(model, input_ids, attention_mask, images or [None] * input_ids.shape[0],
-                                           image_columns=prompt_width)
+        if vision:  # the images and M-RoPE positions, computed as the engine computed them
+            inputs = vision_forward_inputs(model, input_ids, attention_mask, images or [None] * input_ids.shape[0])
         else:
             inputs = {"input_ids": input_ids, "position_ids": position_ids_from_mask(attention_mask)}
         # logits_to_keep: only the positions that predict response tokens (and the last one)
         width = input_ids.shape[1] - prompt_width + 1
         logits = model(**inputs, attention_mask=attention_mask, use_cache=False, logits_to_keep=width).logits[:, :-1]
+        if vision:  # the distribution the engine sampled from: never an image placeholder
+            logits = never_sample_placeholders(logits, placeholder_token_ids(model))
         return token_logprobs(logits, targets, temperature, top_k, top_p)
 
     head = model.get_output_embeddings()
