@@ -131,6 +131,8 @@ def test_the_images_column_takes_paths_bytes_and_images(tmp_path, vlm_folder):
     first, second = data.train_rows
     image = data.image_renderer.image_token_id
     assert first["prompt_ids"].count(image) == 4 and second["prompt_ids"].count(image) == 8  # 4 merged patches each
+    # every word of the rendered prompt is in the vocabulary (the template's newlines survive trim_blocks)
+    assert load_tokenizer(vlm_folder).unk_token_id not in first["prompt_ids"] + second["prompt_ids"]
     batch = data.collate(data.train_rows)
     assert batch["images"][1]["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
     # the chat messages keep their own order: the text before the images
@@ -257,3 +259,54 @@ def test_the_vision_tower_is_frozen_by_default_and_trains_when_asked(tmp_path):
     module, tower_changed, language_changed = run(False, tmp_path / "trained")
     assert language_changed and tower_changed
     assert vision_tower(module.reference) is not vision_tower(module.policy)
+
+
+def test_an_environment_that_replies_with_an_image(vlm_folder):
+    """Episodes: the environment's reply holds an image part; its tokens are the image's (expanded),
+    in the sequence but not trained on; the engine's and the trainer's log-probs agree over the
+    whole episode, the environment's image in the middle."""
+    from gspo_lightning.data.tasks.colours import ShowColourEnvironment, make_episode_rows
+    from gspo_lightning.episodes.multi_turn import MultiTurn
+    from gspo_lightning.rollout.episodes import run_episodes
+
+    tokenizer = load_tokenizer(vlm_folder)
+    policy = load_policy(vlm_folder, tokenizer)
+    engine = HFEngine()
+    engine.start(EngineSpec(vlm_folder, "float32", 16, 16, 0, [tokenizer.eos_token_id], tokenizer.pad_token_id, policy=policy))
+    episodes = MultiTurn(environment=ShowColourEnvironment(), max_turns=2, max_turn_tokens=3, end_of_turn="")
+    episodes.start(tokenizer, 16, image_renderer=ImageRenderer(tokenizer, load_image_processor(vlm_folder)))
+    rows = make_episode_rows(3, seed=4)
+    batch = run_episodes(episodes, engine, [r["prompt"] for r in rows], rows, 4, SamplingParams(max_new_tokens=16), seed=9)
+    assert batch.images is not None and len(batch.images) == 12
+    shown = [entry is not None for entry in batch.images]
+    assert any(shown)  # the episodes whose first turn left room for the picture
+    tensors = build_rollout_tensors(batch.prompt_ids, batch.generation, 1, tokenizer.pad_token_id, torch.device("cpu"),
+                                    loss_mask=batch.loss_mask)
+    response = tensors["input_ids"][:, tensors["prompt_width"]:]
+    image_tokens = response == policy.config.image_token_id
+    assert (image_tokens.sum(-1) == 4 * torch.tensor(shown)).all()  # 4 merged patches, where it was shown
+    assert not (image_tokens & tensors["response_mask"]).any()  # the environment's: never trained on
+    with torch.no_grad():
+        trainer_logprobs, _ = response_logprobs(policy, tensors["input_ids"], tensors["attention_mask"],
+                                                tensors["prompt_width"], images=batch.images)
+    mask = tensors["response_mask"]
+    assert (trainer_logprobs - tensors["engine_logprobs"])[mask].abs().max() < 1e-5
+    # a text policy cannot be shown the picture: one clear line
+    text_episodes = MultiTurn(environment=ShowColourEnvironment(), max_turns=2, max_turn_tokens=3, end_of_turn="")
+    text_episodes.start(tokenizer, 16)
+    with pytest.raises(Exception, match="the policy is a text model"):
+        run_episodes(text_episodes, engine, [r["prompt"] for r in rows], rows, 4, SamplingParams(max_new_tokens=16), seed=9)
+
+
+def test_episodes_with_images_train_through_gspo_fit(tmp_path):
+    main(["fit", "--config", str(ROOT / "configs" / "quickstart_vlm.yaml"), f"--trainer.default_root_dir={tmp_path}",
+          "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+          "--trainer.num_sanity_val_steps=0", "--model.export_on_fit_end=false", "--seed_everything=6",
+          "--data.path=builtin:colours-episodes", "--model.rollout.response_length=12",
+          "--model.episodes.environment=gspo_lightning.data.tasks.colours.ShowColourEnvironment",
+          "--model.episodes.max_turns=2", "--model.episodes.max_turn_tokens=3", "--model.episodes.end_of_turn=",
+          "--model.rewards=[]"])
+    rows = [r for r in metrics(tmp_path) if r.get("engine/logprob_abs_diff")]
+    assert len(rows) == 3
+    assert max(float(r["engine/logprob_abs_diff"]) for r in rows) < 1e-5
+    assert all(float(r["episode/turns"]) > 1 for r in rows)

@@ -18,11 +18,10 @@ import lightning as L
 from torch.utils.data import DataLoader, Sampler
 
 from gspo_lightning.data.datasets import BUILTIN_FILES
-from gspo_lightning.data.images import load_images
 from gspo_lightning.data.tasks import BUILTIN_DATASETS, BUILTIN_PREFIX
 from gspo_lightning.data.verifiers import VerifiersTasks, verifiers_rows
 from gspo_lightning.errors import ConfigError
-from gspo_lightning.models.vision import ImageInputs, ImageRenderer, load_image_processor
+from gspo_lightning.models.vision import ImageInputs, ImageRenderer, load_image_processor, load_images
 
 log = logging.getLogger(__name__)
 

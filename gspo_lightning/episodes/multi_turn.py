@@ -21,6 +21,7 @@ from gspo_lightning.episodes.parsers import HermesToolCallParser, ToolCallParser
 from gspo_lightning.episodes.template import DEFAULT_TOOLS_SYSTEM_PROMPT, ChatRenderer
 from gspo_lightning.episodes.verifiers import VERIFIERS_AGENT, VerifiersSettings
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.models.vision import ImageRenderer
 from gspo_lightning.objective.advantages import turn_advantages
 
 
@@ -153,6 +154,7 @@ class MultiTurn:
         self.turn_advantages = turn_advantages
         self.turn_discount = turn_discount
         self.renderer: Optional[ChatRenderer] = None
+        self.image_renderer: Optional[ImageRenderer] = None  # set by start() for a vision-language policy
         self.renderer_options = dict(system_prompt_for_tools=system_prompt_for_tools, end_of_turn=end_of_turn,
                                      template_kwargs=template_kwargs)
 
@@ -163,15 +165,19 @@ class MultiTurn:
         outcome = rewards - torch.tensor([sum(r) for r in turn_rewards], dtype=rewards.dtype, device=rewards.device)
         return turn_advantages(outcome, turn_rewards, turn_of_token, group_size, discount=self.turn_discount, scored=scored)
 
-    def start(self, tokenizer, prompt_length: Optional[int] = None, lockstep: Optional[Callable[[bool], bool]] = None) -> None:
+    def start(self, tokenizer, prompt_length: Optional[int] = None, lockstep: Optional[Callable[[bool], bool]] = None,
+              image_renderer: Optional[ImageRenderer] = None) -> None:
         """Build the chat renderer (once the tokenizer exists), with the environment's tools.
 
         ``prompt_length``: the longest prompt the engines were sized for (``data.prompt_length``).
         ``lockstep(done) -> all_done`` (``EngineSpec.lockstep``: a policy sharded over ranks):
         an engine that samples from the sharded policy itself gathers its weights in every
         ``generate``, a collective, so every rank must take as many turns (see
-        :func:`~gspo_lightning.rollout.episodes.run_episodes`)."""
+        :func:`~gspo_lightning.rollout.episodes.run_episodes`). ``image_renderer``: a vision-language
+        policy's, which renders the images of messages' image parts (an environment that replies
+        with an image)."""
         tools = self.environment.tools_schema if self.environment is not None else None
+        self.image_renderer = image_renderer
         self.renderer = ChatRenderer(tokenizer, tools, **self.renderer_options)
         self.tokenizer = tokenizer
         self.prompt_length = prompt_length

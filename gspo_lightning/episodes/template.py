@@ -246,7 +246,8 @@ class ChatRenderer:
                               "there and the reply could not be told apart from others; reply with words in the "
                               "model's vocabulary")
         decoded = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if decoded != suffix and (self.keeps_whitespace or decoded.split() != suffix.split()):
+        # a word-level tokenizer's decode puts a space between tokens, special ones written together included
+        if decoded != suffix and (self.keeps_whitespace or "".join(decoded.split()) != "".join(suffix.split())):
             raise ConfigError(f"tokenizing the environment's text {suffix[:60]!r} alone does not give that text back "
                              "(a tokenizer that adds a prefix space, or normalizes text?); its ids would not be the "
                              "ones the template's conversation has")

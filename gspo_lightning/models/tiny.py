@@ -60,12 +60,15 @@ SUCCESSOR_WORDS = ("next", *[str(d) for d in range(10)])
 LOOKUP_WORDS = ("user:", "assistant:", "tool:", "find", "get", "error", "a", "b", "c", "d", "e", "f", *[str(d) for d in range(10)])
 
 # the vision-language chat: an image part is the vision tokens around one image placeholder, which the
-# image renderer (models/vision.py) expands to the image's number of merged patches
+# image renderer (models/vision.py) expands to the image's number of merged patches. The newline after
+# a message is an expression: transformers renders templates with trim_blocks, which drops a newline
+# right after a block tag
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 VLM_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|>"
-    "<|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "<|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 COLOUR_WORDS = ("colour", "where", "red", "green", "blue", "yellow", "left", "right", "top", "bottom", "user:", "assistant:")

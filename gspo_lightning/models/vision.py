@@ -16,12 +16,58 @@ image token.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+import io
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from gspo_lightning.errors import ConfigError
+
+# -- images from what datasets and environments hold ------------------------------------------------
+# One image or a list of them, each a file path (relative ones start at ``base_dir``), raw bytes of an
+# encoded image, a PIL image, or a ``datasets`` Image feature's ``{"bytes": ..., "path": ...}``. A
+# missing file or bytes that do not decode raise a ``ValueError`` naming the image (a bad row).
+def load_images(value: Any, base_dir: Optional[Path] = None) -> list:
+    """Every image of a row's image column, decoded, in RGB (``[]`` for ``None``)."""
+    if value is None:
+        return []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [_load_one(item, index, base_dir) for index, item in enumerate(items)]
+
+
+def _load_one(item: Any, index: int, base_dir: Optional[Path]):
+    from PIL import Image
+
+    what = f"image {index + 1}"
+    if isinstance(item, dict):  # a datasets Image feature: bytes when embedded, else a path
+        item = item.get("bytes") or item.get("path")
+    if isinstance(item, Image.Image):
+        return item.convert("RGB")
+    if isinstance(item, (bytes, bytearray)):
+        return _decode(io.BytesIO(item), f"{what} ({len(item)} bytes)")
+    if isinstance(item, (str, Path)):
+        path = Path(item).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise ValueError(f"{what}: no file {str(path)!r}")
+        return _decode(path, f"{what} ({path})")
+    raise ValueError(f"{what} is a {type(item).__name__}: give a path, bytes, a PIL image or {{'bytes': ...}}")
+
+
+def _decode(source: Union[io.BytesIO, Path], what: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(source) as image:
+            image.load()  # decode now: a truncated file fails here, not in the middle of a rollout
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise ValueError(f"{what} is not a readable image ({type(err).__name__}: {err})") from None
+
+
 
 # a prompt's images as the model takes them: {"pixel_values": (patches, D), "image_grid_thw": (images, 3)}
 ImageInputs = dict[str, Tensor]
@@ -103,7 +149,11 @@ class ImageRenderer:
     def render(self, text: str, images: list) -> tuple[list[int], ImageInputs]:
         """``text`` (after the chat template, one image token per image) with each image token
         expanded to that image's merged patches, and the images' model inputs."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.expand(self.tokenizer(text, add_special_tokens=False)["input_ids"], images)
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """``ids`` (one image token per image) with each image token expanded to that image's
+        merged patches, and the images' model inputs."""
         placeholders = sum(1 for i in ids if i == self.image_token_id)
         if placeholders != len(images):
             raise ValueError(f"the prompt has {placeholders} image placeholder(s) for {len(images)} image(s)")
@@ -117,6 +167,30 @@ class ImageRenderer:
             else:
                 expanded.append(token)
         return expanded, {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def message_images(messages: list[dict]) -> list:
+    """The images in chat messages, in order: each ``{"type": "image", "image": ...}`` part of a
+    message's content (a PIL image, bytes, a path), decoded (``load_images``)."""
+    found = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            found += [part.get("image") for part in content if isinstance(part, dict) and part.get("type") == "image"]
+    if any(image is None for image in found):
+        raise ValueError("an image part of a message has no image: write {'type': 'image', 'image': <PIL image, bytes or "
+                         "path>}")
+    return load_images(found)
+
+
+def merge_image_inputs(entries: list[ImageInputs]) -> Optional[ImageInputs]:
+    """The image inputs of a sequence made of several pieces (a prompt, environment replies), in order."""
+    if not entries:
+        return None
+    if len(entries) == 1:
+        return entries[0]
+    return {"pixel_values": torch.cat([e["pixel_values"] for e in entries]),
+            "image_grid_thw": torch.cat([e["image_grid_thw"] for e in entries])}
 
 
 def _rope_index_owner(model: nn.Module) -> nn.Module:
@@ -200,5 +274,5 @@ def vision_forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: T
     return {"inputs_embeds": embeds, "position_ids": position_ids}
 
 
-__all__ = ["NEVER_SAMPLED_LOGIT", "ImageInputs", "ImageRenderer", "never_sample_placeholders", "placeholder_token_ids", "freeze_vision_tower", "share_vision_tower", "is_vision_language", "load_image_processor",
+__all__ = ["NEVER_SAMPLED_LOGIT", "ImageInputs", "ImageRenderer", "load_images", "message_images", "merge_image_inputs", "never_sample_placeholders", "placeholder_token_ids", "freeze_vision_tower", "share_vision_tower", "is_vision_language", "load_image_processor",
            "vision_forward_inputs", "vision_tower"]

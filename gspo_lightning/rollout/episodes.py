@@ -33,6 +33,7 @@ from gspo_lightning.episodes.loop import EpisodeLoop
 from gspo_lightning.episodes.messages import StepResult
 from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.errors import ConfigError, EpisodeError
+from gspo_lightning.models.vision import ImageInputs, merge_image_inputs, message_images
 from gspo_lightning.rollout import stop
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
 
@@ -60,6 +61,12 @@ class Episode:
     environment_tokens: int = 0
     ending: Optional[str] = None
     rewards: dict[str, float] = field(default_factory=dict)  # the environment's own, once it ended
+    # a vision-language policy's: the image inputs of the prompt's and the replies' images, in order
+    images: list[ImageInputs] = field(default_factory=list)
+
+    def image_inputs(self) -> Optional[ImageInputs]:
+        """The images of the whole episode so far, as the model takes them (``None``: none)."""
+        return merge_image_inputs(self.images)
 
     @property
     def turns(self) -> int:
@@ -103,6 +110,8 @@ class EpisodeBatch:
     # and what reward functions get in environments= (Environment.for_rewards)
     environment_rewards: Optional[list[dict[str, float]]] = None
     environments: Optional[list[Any]] = None
+    # each episode's image inputs (None: no episode has an image)
+    images: Optional[list[Optional[ImageInputs]]] = None
 
 
 def as_messages(prompt: Any) -> list[dict]:
@@ -130,12 +139,12 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
         raise failed
     episodes = []
     for environment, messages in zip(environments, conversations):
-        ids = multi_turn.renderer.prompt_ids(messages)
+        ids, images = _with_images(multi_turn, multi_turn.renderer.prompt_ids(messages), messages)
         if multi_turn.prompt_length is not None and len(ids) > multi_turn.prompt_length:
             raise ConfigError(f"an episode's prompt is {len(ids)} tokens (the row's prompt with the environment's "
                              f"first messages and the tools' description), more than data.prompt_length="
                              f"{multi_turn.prompt_length}: raise data.prompt_length to at least {len(ids)}")
-        episodes.append(Episode(environment, messages, ids, len(messages)))
+        episodes.append(Episode(environment, messages, ids, len(messages), images=images))
     groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
     # the usual case: every episode of a group starts from the same prompt, sampled as one group
     same_start = all(e.prompt_ids == group[0].prompt_ids for group in groups for e in group)
@@ -156,12 +165,15 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
         turn_params = dataclasses.replace(params, max_new_tokens=min(room, multi_turn.max_turn_tokens or room))
         turn_seed = seed if turn == 0 else hash_seed(seed, turn)
         if not live:
-            engine.generate([episodes[0].prompt_ids], 1, turn_params, turn_seed)
+            engine.generate([episodes[0].prompt_ids], 1, turn_params, turn_seed, **_images_kwarg(engine, episodes[:1]))
             continue
         if turn == 0 and same_start:  # as a single-turn rollout samples its groups
-            generation = engine.generate([group[0].prompt_ids for group in groups], group_size, turn_params, turn_seed)
+            firsts = [group[0] for group in groups]
+            generation = engine.generate([e.prompt_ids for e in firsts], group_size, turn_params, turn_seed,
+                                         **_images_kwarg(engine, firsts))
         else:
-            generation = engine.generate([e.prompt_ids + e.ids for e in live], 1, turn_params, turn_seed)
+            generation = engine.generate([e.prompt_ids + e.ids for e in live], 1, turn_params, turn_seed,
+                                         **_images_kwarg(engine, live))
         versions.append(generation.weights_version)
         _take_turn(multi_turn, live, generation, budget)
         _finish(loop, [e for e in live if e.ending is not None])
@@ -208,12 +220,37 @@ def _take_turn(multi_turn: MultiTurn, live: list[Episode], generation: Generatio
         elif episode.turns >= multi_turn.max_turns:
             _end(episode, "max_turns", turn_reward=False)
         else:
-            reply = multi_turn.renderer.continuation_ids(episode.messages, result.messages)
+            reply, images = _with_images(multi_turn, multi_turn.renderer.continuation_ids(episode.messages, result.messages),
+                                         result.messages)
             if len(episode.ids) + len(reply) >= budget:  # no room for the reply and a token of answer
                 _end(episode, "budget", turn_reward=False)
                 continue
             episode.add_environment(reply)
+            episode.images += images
             episode.messages += [dict(m) for m in result.messages]
+
+
+def _with_images(multi_turn: MultiTurn, ids: list[int], messages: list[dict]) -> tuple[list[int], list[ImageInputs]]:
+    """``ids`` rendered from ``messages``, each image placeholder expanded to its image's tokens,
+    and the images' inputs (``[]`` for messages without image parts)."""
+    images = message_images(messages)
+    if not images:
+        return ids, []
+    if multi_turn.image_renderer is None:
+        raise ConfigError(f"an episode's messages hold {len(images)} image(s), but the policy is a text model: "
+                          "use a vision-language policy, or reply with text")
+    expanded, inputs = multi_turn.image_renderer.expand(ids, images)
+    return expanded, [inputs]
+
+
+def _images_kwarg(engine: RolloutEngine, episodes: list[Episode]) -> dict[str, Any]:
+    """``generate``'s ``images`` for these episodes' sequences (nothing when none has an image)."""
+    if not any(e.images for e in episodes):
+        return {}
+    if not engine.takes_images:
+        raise ConfigError(f"an episode has images, which {type(engine).__name__} does not take: use the Hugging Face "
+                          "engine (model.engine: gspo_lightning.rollout.HFEngine) for a vision-language policy")
+    return {"images": [e.image_inputs() for e in episodes]}
 
 
 def _end(episode: Episode, ending: str, turn_reward: bool = True) -> None:
@@ -267,6 +304,7 @@ def _batch(multi_turn: MultiTurn, episodes: list[Episode], group_size: int, engi
         turn_rewards=[e.turn_rewards for e in episodes], stats=stats,
         environment_rewards=[e.rewards for e in episodes],
         environments=[e.environment.for_rewards() for e in episodes],
+        images=[e.image_inputs() for e in episodes] if any(e.images for e in episodes) else None,
     )
 
 

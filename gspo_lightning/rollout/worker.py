@@ -17,6 +17,7 @@ from torch import Tensor
 
 from gspo_lightning.episodes.multi_turn import MultiTurn
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.models.vision import ImageRenderer, is_vision_language, load_image_processor
 from gspo_lightning.rewards.base import RewardComposer
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, WeightsSource
 from gspo_lightning.rollout.episodes import run_episodes
@@ -153,7 +154,11 @@ class RolloutWorker:
         if not self.started:
             self.engine.start(spec)
             if self.episodes is not None:
-                self.episodes.start(self.tokenizer, spec.prompt_length, lockstep=spec.lockstep)
+                renderer = None
+                if spec.policy is not None and is_vision_language(spec.policy):  # environments may reply with images
+                    renderer = ImageRenderer(self.tokenizer, load_image_processor(spec.model_name_or_path,
+                                                                                  spec.trust_remote_code))
+                self.episodes.start(self.tokenizer, spec.prompt_length, lockstep=spec.lockstep, image_renderer=renderer)
                 if self.episodes.agent is not None:
                     from gspo_lightning.rollout.agent.runner import AgentRunner
 
@@ -303,8 +308,9 @@ class RolloutWorker:
         functions score whole episodes (TRL's conversational ``completions``), plus the
         environment's turn rewards (component ``environment``)."""
         if batch.get("images") is not None:
-            raise ConfigError("prompts with images run as single-turn rollouts for now: multi-turn episodes "
-                              "(model.episodes) do not take the data's images column")
+            raise ConfigError("multi-turn episodes (model.episodes) render their conversations themselves and do not "
+                              "take the data's images column: put a prompt's images in its chat messages, as "
+                              "{\"type\": \"image\", \"image\": ...} parts (or have the environment's reset add them)")
         group_size = self.eval_group_size if evaluation else self.group_size
         params = self.eval_params if evaluation else self.train_params
         timings = {}
@@ -348,6 +354,8 @@ class RolloutWorker:
                                                   skip_special_tokens=False)
         tensors = build_rollout_tensors(episodes.prompt_ids, generation, 1, self.tokenizer.pad_token_id, device,
                                         loss_mask=episodes.loss_mask)
+        if episodes.images is not None:  # each episode's images: its prompt's and its environment's replies'
+            tensors["images"] = episodes.images
         return self._rollout(tensors, generation, (total, components, scored_rows, errors), group_size, episodes.prompts,
                              transcripts, timings, device, turn_of_token=episodes.turn_of_token.to(device),
                              turn_rewards=episodes.turn_rewards, episode_stats=episodes.stats)

@@ -9,6 +9,7 @@ BUILTIN_DATASETS = {"echo": echo.make_rows, "successor": successor.make_rows, "a
                     "pattern": pattern.make_rows, "pattern-heldout": pattern.make_heldout_rows,
                     "addition": addition.make_rows, "addition-heldout": addition.make_heldout_rows,
                     "addition-2digit": addition.make_2digit_rows, "addition-2digit-heldout": addition.make_2digit_heldout_rows,
-                    "lookup": lookup.make_rows, "colours": colours.make_rows}
+                    "lookup": lookup.make_rows, "colours": colours.make_rows,
+                    "colours-episodes": colours.make_episode_rows}
 
 __all__ = ["BUILTIN_DATASETS", "BUILTIN_PREFIX", "TINY_MODELS", "build_tiny", "is_builtin", "save_tiny"]
