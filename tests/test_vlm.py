@@ -9,8 +9,10 @@ import csv
 import io
 import json
 import random
+import re
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from PIL import Image
@@ -225,12 +227,19 @@ def test_the_colour_recipe_learns_and_its_export_sees(tmp_path):
         words = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).split()
         right += bool(words) and words[0] == colour
     assert right / 32 >= 0.9, right
+    # docs/vlm.md's example, on this export
+    doc = (ROOT / "docs" / "vlm.md").read_text()
+    code = re.search(r"## Using the export outside the trainer\n.*?```python\n(.*?)```", doc, re.S).group(1)
+    line = 'folder = "runs/quickstart_vlm/csv/version_0/hf_model"'
+    assert line in code
+    namespace: dict = {}
+    exec(code.replace(line, f"folder = {str(folder)!r}"), namespace)  # noqa: S102 - the docs' own code
+    assert namespace["answer"].split()[0] == "blue"
 
 
 def test_the_vision_tower_is_frozen_by_default_and_trains_when_asked(tmp_path):
-    from tests.helpers_fit import fit, make_module
-    from gspo_lightning.data.tasks.colours import colour_reward  # noqa: F401 - named below by path
     from gspo_lightning.rewards import RewardSpec
+    from tests.helpers_fit import make_module
 
     def run(freeze: bool, folder: Path):
         module = make_module(model_name_or_path="builtin:tiny-vlm", response_length=2, use_kl_loss=True,
@@ -239,9 +248,6 @@ def test_the_vision_tower_is_frozen_by_default_and_trains_when_asked(tmp_path):
         module.configure_model()
         before = {k: v.clone() for k, v in vision_tower(module.policy).state_dict().items()}
         language = module.policy.lm_head.weight.clone()
-        import lightning as L
-        from gspo_lightning.data.datamodule import PromptDataModule
-
         L.seed_everything(0, verbose=False)
         data = PromptDataModule(path="builtin:colours", tokenizer="builtin:tiny-vlm", rollout_batch_size=4,
                                 prompt_length=16, val_size=0)
@@ -310,3 +316,19 @@ def test_episodes_with_images_train_through_gspo_fit(tmp_path):
     assert len(rows) == 3
     assert max(float(r["engine/logprob_abs_diff"]) for r in rows) < 1e-5
     assert all(float(r["episode/turns"]) > 1 for r in rows)
+
+
+def test_lora_adapts_the_language_model_only(tmp_path, vlm_folder):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from gspo_lightning.models.lora import LoRA, attach_lora, save_adapter
+
+    tokenizer = load_tokenizer(vlm_folder)
+    policy = attach_lora(load_policy(vlm_folder, tokenizer), LoRA(rank=4, alpha=8))
+    adapted = {name for name, p in policy.named_parameters() if p.requires_grad}
+    assert adapted and not any(".visual." in name for name in adapted)
+    assert any("language_model" in name for name in adapted)
+    save_adapter(policy, tmp_path / "adapter", vlm_folder, LoRA(rank=4, alpha=8))
+    reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(vlm_folder), tmp_path / "adapter")
+    assert not any(".visual." in name and "lora_" in name for name, _ in reloaded.named_parameters())

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from gspo_lightning.errors import ConfigError, MissingPackageError
+from gspo_lightning.models.vision import vision_tower_pattern
 
 ADAPTER = "default"  # peft's adapter name; one adapter per policy
 
@@ -74,12 +75,14 @@ class LoRA:
         fields = self.as_dict()
         return {key: fields[key] for key in ("rank", "alpha", "target_modules")}
 
-    def peft_config(self, base_model_name_or_path: Optional[str] = None):
+    def peft_config(self, base_model_name_or_path: Optional[str] = None, exclude_modules: Optional[str] = None):
+        """PEFT's config; ``exclude_modules``: a regex of module names left without adapters (a
+        vision-language model's vision tower: ``models.vision.vision_tower_pattern``)."""
         from peft import LoraConfig
 
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=self.target_modules, bias="none", task_type="CAUSAL_LM",
-                          base_model_name_or_path=base_model_name_or_path)
+                          base_model_name_or_path=base_model_name_or_path, exclude_modules=exclude_modules)
 
 
 def attach_lora(policy: nn.Module, lora: LoRA) -> nn.Module:
@@ -93,7 +96,9 @@ def attach_lora(policy: nn.Module, lora: LoRA) -> nn.Module:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(lora.init_seed)
-            policy = inject_adapter_in_model(lora.peft_config(), policy, adapter_name=ADAPTER)
+            # adapters on the language model only: a vision tower stays as it is
+            policy = inject_adapter_in_model(lora.peft_config(exclude_modules=vision_tower_pattern(policy)), policy,
+                                             adapter_name=ADAPTER)
     except ValueError as err:  # peft: "Target modules ... not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, m in policy.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"lora.target_modules={lora.target_modules!r} matches no layer of this model "
@@ -276,5 +281,5 @@ def save_adapter(model: nn.Module, folder: Union[str, Path], base_model_name_or_
     state = {f"base_model.model.{k}": v.detach().contiguous()
              for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
     save_file(state, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    lora.peft_config(base_model_name_or_path).save_pretrained(folder)
+    lora.peft_config(base_model_name_or_path, exclude_modules=vision_tower_pattern(model)).save_pretrained(folder)
     return folder

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -87,6 +88,15 @@ def vision_tower(model: nn.Module) -> Optional[nn.Module]:
             if isinstance(tower, nn.Module):
                 return tower
     return None
+
+
+def vision_tower_pattern(model: nn.Module) -> Optional[str]:
+    """A regex of the vision tower's module names (PEFT's ``exclude_modules``), ``None`` for a text model."""
+    tower = vision_tower(model)
+    if tower is None:
+        return None
+    name = next(name for name, module in model.named_modules() if module is tower)
+    return rf"{re.escape(name)}(\..*)?"
 
 
 def freeze_vision_tower(model: nn.Module) -> int:
@@ -274,5 +284,5 @@ def vision_forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: T
     return {"inputs_embeds": embeds, "position_ids": position_ids}
 
 
-__all__ = ["NEVER_SAMPLED_LOGIT", "ImageInputs", "ImageRenderer", "load_images", "message_images", "merge_image_inputs", "never_sample_placeholders", "placeholder_token_ids", "freeze_vision_tower", "share_vision_tower", "is_vision_language", "load_image_processor",
+__all__ = ["NEVER_SAMPLED_LOGIT", "ImageInputs", "ImageRenderer", "load_images", "message_images", "merge_image_inputs", "never_sample_placeholders", "placeholder_token_ids", "freeze_vision_tower", "share_vision_tower", "vision_tower_pattern", "is_vision_language", "load_image_processor",
            "vision_forward_inputs", "vision_tower"]

@@ -199,6 +199,9 @@ class GSPOModule(CheckpointHooks, L.LightningModule):
         cfg = self.settings
         policy = load_policy(self.model_source, self.tokenizer, cfg.policy.dtype, cfg.policy.attn_implementation, cfg.policy.trust_remote_code)
         frozen_tower = is_vision_language(policy) and cfg.policy.freeze_vision
+        if is_vision_language(policy) and not cfg.policy.freeze_vision and self.lora is not None:
+            raise ConfigError("model.policy.freeze_vision: false trains the vision tower's weights, but with model.lora "
+                              "only adapters train (on the language model): remove one of the two")
         if frozen_tower:
             freeze_vision_tower(policy)
         policy = attach_lora(policy, self.lora) if self.lora is not None else policy
