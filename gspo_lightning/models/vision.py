@@ -16,6 +16,7 @@ image token.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import re
 from pathlib import Path
@@ -219,7 +220,9 @@ def _image_features(model: nn.Module, entries: list[ImageInputs]) -> list[Tensor
     grid = torch.cat([entry["image_grid_thw"] for entry in entries]).to(device)
     trains_tower = tower is not None and any(p.requires_grad for p in tower.parameters())
     with contextlib.nullcontext() if trains_tower else torch.no_grad():
-        per_image = model.get_image_features(pixel_values, grid, return_dict=True).pooler_output
+        out = model.get_image_features(pixel_values, grid)
+        # an output with the per-image embeddings in pooler_output (transformers >= 5.2x), or them alone
+        per_image = out.pooler_output if hasattr(out, "pooler_output") else out
     features, first = [], 0
     for entry in entries:
         count = entry["image_grid_thw"].shape[0]
@@ -279,8 +282,11 @@ def vision_forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: T
                           if entry is not None and id(entry) in features]).to(input_ids.device)
     elif image_mask.any():
         raise ValueError("the prompts hold image tokens but no images were given")
-    position_ids, _ = _rope_index_owner(model).get_rope_index(input_ids, image_mask.int(), image_grid_thw=grid,
-                                                              attention_mask=attention_mask)
+    owner = _rope_index_owner(model)
+    kwargs = {"image_grid_thw": grid, "attention_mask": attention_mask}
+    if "mm_token_type_ids" in inspect.signature(owner.get_rope_index).parameters:  # newer transformers take the image
+        kwargs["mm_token_type_ids"] = image_mask.int()                               # tokens; older find them in the ids
+    position_ids, _ = owner.get_rope_index(input_ids, **kwargs)
     return {"inputs_embeds": embeds, "position_ids": position_ids}
 
 
