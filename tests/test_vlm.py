@@ -105,7 +105,8 @@ def test_positions_and_log_probs_match_transformers_own_forward(vlm_folder):
         logits = policy(input_ids=input_ids, attention_mask=mask, pixel_values=images[0]["pixel_values"],
                         image_grid_thw=images[0]["image_grid_thw"],
                         mm_token_type_ids=(input_ids == policy.config.image_token_id).int()).logits
-    logits[..., policy.config.image_token_id] = float("-inf")  # never sampled: probability 0, the rest renormalized
+    # the image and video placeholders are never sampled: probability 0, the rest renormalized
+    logits[..., [policy.config.image_token_id, policy.config.video_token_id]] = float("-inf")
     theirs = torch.log_softmax(logits[0, len(ids[0]) - 1:-1].float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
     assert torch.allclose(ours[0], theirs, atol=1e-6), (ours, theirs)
 

@@ -63,7 +63,8 @@ LOOKUP_WORDS = ("user:", "assistant:", "tool:", "find", "get", "error", "a", "b"
 # image renderer (models/vision.py) expands to the image's number of merged patches. The newline after
 # a message is an expression: transformers renders templates with trim_blocks, which drops a newline
 # right after a block tag
-VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")  # vLLM's Qwen-VL reads
+# the video token from the vocabulary even for images
 VLM_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|>"
@@ -113,7 +114,7 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
             decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False, head_dim=16,
         ),
     ),
-    # a vision-language model (Qwen2.5-VL's architecture, 0.2M parameters) for the colour task
+    # a vision-language model (Qwen2.5-VL's architecture, 0.16M parameters) for the colour task
     # (data/tasks/colours.py, configs/quickstart_vlm.yaml): heads of 32 dims, M-RoPE over 16 of them
     "tiny-vlm": TinyModelSpec(words=COLOUR_WORDS, model_type="qwen2_5_vl", num_attention_heads=2, num_key_value_heads=1,
                               vision=TINY_VISION, chat_template=VLM_CHAT_TEMPLATE,
@@ -217,7 +218,7 @@ def _vision_language_config(spec: TinyModelSpec, tokenizer, vocab_size: int):
     """A Qwen2.5-VL config: the text model of the spec and its vision tower."""
     from transformers import AutoConfig
 
-    start, image, end = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    start, image, end, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
     text = dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                 num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
                 num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
@@ -225,7 +226,8 @@ def _vision_language_config(spec: TinyModelSpec, tokenizer, vocab_size: int):
                 bos_token_id=None, **spec.extra_config)
     return AutoConfig.for_model(
         spec.model_type, text_config=text, vision_config={**spec.vision, "out_hidden_size": spec.hidden_size},
-        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True,
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )
 
