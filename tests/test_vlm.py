@@ -272,7 +272,8 @@ def test_an_environment_that_replies_with_an_image(vlm_folder):
     """Episodes: the environment's reply holds an image part; its tokens are the image's (expanded),
     in the sequence but not trained on; the engine's and the trainer's log-probs agree over the
     whole episode, the environment's image in the middle."""
-    from gspo_lightning.data.tasks.colours import ShowColourEnvironment, make_episode_rows
+    from gspo_lightning.data.tasks.colours import make_episode_rows
+    from gspo_lightning.episodes import ShowImageEnvironment
     from gspo_lightning.episodes.multi_turn import MultiTurn
     from gspo_lightning.rollout.episodes import run_episodes
 
@@ -280,7 +281,7 @@ def test_an_environment_that_replies_with_an_image(vlm_folder):
     policy = load_policy(vlm_folder, tokenizer)
     engine = HFEngine()
     engine.start(EngineSpec(vlm_folder, "float32", 16, 16, 0, [tokenizer.eos_token_id], tokenizer.pad_token_id, policy=policy))
-    episodes = MultiTurn(environment=ShowColourEnvironment(), max_turns=2, max_turn_tokens=3, end_of_turn="")
+    episodes = MultiTurn(environment=ShowImageEnvironment(), max_turns=2, max_turn_tokens=3, end_of_turn="")
     episodes.start(tokenizer, 16, image_renderer=ImageRenderer(tokenizer, load_image_processor(vlm_folder)))
     rows = make_episode_rows(3, seed=4)
     batch = run_episodes(episodes, engine, [r["prompt"] for r in rows], rows, 4, SamplingParams(max_new_tokens=16), seed=9)
@@ -299,7 +300,7 @@ def test_an_environment_that_replies_with_an_image(vlm_folder):
     mask = tensors["response_mask"]
     assert (trainer_logprobs - tensors["engine_logprobs"])[mask].abs().max() < 1e-5
     # a text policy cannot be shown the picture: one clear line
-    text_episodes = MultiTurn(environment=ShowColourEnvironment(), max_turns=2, max_turn_tokens=3, end_of_turn="")
+    text_episodes = MultiTurn(environment=ShowImageEnvironment(), max_turns=2, max_turn_tokens=3, end_of_turn="")
     text_episodes.start(tokenizer, 16)
     with pytest.raises(Exception, match="the policy is a text model"):
         run_episodes(text_episodes, engine, [r["prompt"] for r in rows], rows, 4, SamplingParams(max_new_tokens=16), seed=9)
@@ -310,7 +311,7 @@ def test_episodes_with_images_train_through_gspo_fit(tmp_path):
           "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
           "--trainer.num_sanity_val_steps=0", "--model.export_on_fit_end=false", "--seed_everything=6",
           "--data.path=builtin:colours-episodes", "--model.rollout.response_length=12",
-          "--model.episodes.environment=gspo_lightning.data.tasks.colours.ShowColourEnvironment",
+          "--model.episodes.environment=gspo_lightning.episodes.ShowImageEnvironment",
           "--model.episodes.max_turns=2", "--model.episodes.max_turn_tokens=3", "--model.episodes.end_of_turn=",
           "--model.rewards=[]"])
     rows = [r for r in metrics(tmp_path) if r.get("engine/logprob_abs_diff")]

@@ -14,6 +14,7 @@ EXPORTS = {
     "FactoryEnvironment": "factory",
     "SkyRLEnvironment": "skyrl",
     "OpenEnvEnvironment": "openenv",
+    "ShowImageEnvironment": "show_image",
     "EpisodeLoop": "loop",
     **dict.fromkeys(["ChatRenderer", "DEFAULT_TOOLS_SYSTEM_PROMPT", "TemplateNotAppendOnly"], "template"),
     **dict.fromkeys(["MultiTurn", "check_episode_objective"], "multi_turn"),

@@ -13,8 +13,6 @@ import random
 
 from PIL import Image, ImageDraw
 
-from gspo_lightning.episodes.environments import Environment
-from gspo_lightning.episodes.messages import StepResult
 from gspo_lightning.errors import ConfigError
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
@@ -58,27 +56,8 @@ def colour_reward(prompts: list, completions: list[str], target: list[str], **co
 
 # -- the same task as episodes: the environment shows the image when the model has taken a turn ------
 def make_episode_rows(num_rows: int, seed: int) -> list[dict]:
-    """Rows of :class:`ShowColourEnvironment`: the picture is in ``picture`` (the environment's to
-    show), not in ``images`` (the data module's, which single-turn prompts start with)."""
+    """Rows of :class:`~gspo_lightning.episodes.ShowImageEnvironment`: the picture is in ``picture``
+    (the environment's to show), not in ``images`` (the data module's, which single-turn prompts
+    start with)."""
     return [{"prompt": row["prompt"], "picture": row["images"][0], "target": row["target"]}
             for row in make_rows(num_rows, seed)]
-
-
-class ShowColourEnvironment(Environment):
-    """The model's first turn gets the row's picture back, in a user message with an image part;
-    its second turn is its answer, rewarded 1 when its first word is the colour (a turn reward)."""
-
-    blocking = False
-    scores_episodes = True
-
-    def reset(self, row: dict, prompt: list[dict]) -> list[dict]:
-        self.picture, self.target, self.shown = row["picture"], row["target"], False
-        return list(prompt)
-
-    def step(self, assistant_message: dict) -> StepResult:
-        if not self.shown:
-            self.shown = True
-            return StepResult(messages=[{"role": "user", "content": [{"type": "image", "image": self.picture},
-                                                                     {"type": "text", "text": "colour"}]}])
-        words = assistant_message["content"].split()
-        return StepResult(messages=[], reward=float(bool(words) and words[0] == self.target), done=True)
