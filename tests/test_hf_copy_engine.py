@@ -207,3 +207,48 @@ def test_trains_with_engine_logprobs_as_old_and_logs_the_mismatch(tmp_path):
     # one push per rollout: versions 0 and 2 (2 optimizer steps per rollout); the last update is not sampled yet
     assert engine.pushes == 2 and engine.weights_version == 2 and module.policy_version == 4
     assert len(seen) == 2 and all(0 < s["engine/logprob_abs_diff"] < 2e-2 for s in seen)
+
+
+def test_a_bf16_copy_is_refused_on_a_cpu_without_bf16_units(tmp_path, monkeypatch):
+    from gspo_lightning.rollout import hf_copy
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
+    assert hf_copy.cpu_bf16_units(str(cpuinfo)) == []
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert hf_copy.cpu_bf16_units(str(cpuinfo)) == ["amx_bf16", "avx512_bf16"]
+    assert hf_copy.cpu_bf16_units(str(tmp_path / "absent")) is None  # unknown (macOS): not refused
+    policy, tok = peaked_policy()
+    monkeypatch.setattr(hf_copy, "cpu_bf16_units", lambda: [])
+    with pytest.raises(Exception, match="without bfloat16 units .* slower than float32"):
+        start(HFCopyEngine(dtype="bfloat16"), policy, tok)
+    start(HFCopyEngine(dtype="float16"), policy, tok)  # only bf16 needs the units
+
+
+def test_a_vision_language_copy_samples_with_the_images():
+    """The copy of a vision-language policy takes its images; in float32 (the exact control) its
+    log-probs are the trainer's."""
+    import random
+
+    from gspo_lightning.data.tasks import build_tiny
+    from gspo_lightning.data.tasks.colours import draw_square
+    from gspo_lightning.models.tiny import build_image_processor, get_spec
+    from gspo_lightning.models.vision import ImageRenderer
+    from gspo_lightning.rollout.worker import build_rollout_tensors
+
+    torch.manual_seed(2)
+    policy, tok = build_tiny("builtin:tiny-vlm")
+    engine = HFCopyEngine(dtype="float32")
+    engine.start(EngineSpec(model_name_or_path="builtin:tiny-vlm", dtype="float32", prompt_length=16, response_length=6,
+                            seed=0, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, policy=policy))
+    assert engine.takes_images and type(engine.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids, images = ImageRenderer(tok, build_image_processor(get_spec("tiny-vlm"))).render(
+        text, [draw_square("red", random.Random(1))])
+    gen = engine.generate([ids], 8, SamplingParams(6), seed=4, images=[images])
+    tensors = build_rollout_tensors([ids], gen, 8, tok.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        ours = response_logprobs(policy, tensors["input_ids"], tensors["attention_mask"], tensors["prompt_width"],
+                                 images=[images] * 8)[0]
+    assert (ours - tensors["engine_logprobs"])[tensors["response_mask"]].abs().max() < 1e-5

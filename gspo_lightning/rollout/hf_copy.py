@@ -29,12 +29,25 @@ import torch
 from torch import Tensor, nn
 
 from gspo_lightning.errors import ConfigError
+from gspo_lightning.models.vision import is_vision_language
 from gspo_lightning.rollout.engine import EngineSpec, WeightsIterator
 from gspo_lightning.rollout.hf import HFEngine
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# the CPU flags of bfloat16 arithmetic units: x86 (/proc/cpuinfo "flags") and ARM ("Features")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> Optional[list[str]]:
+    """The CPU's bfloat16 units (their flags), ``[]`` for none, ``None`` where the CPU cannot be
+    read (no /proc/cpuinfo: macOS, Windows)."""
+    try:
+        flags = set(open(cpuinfo).read().split())
+    except OSError:
+        return None
+    return sorted(flags & set(BF16_FLAGS))
 
 
 def fp8_round(weight: Tensor) -> Tensor:
@@ -80,12 +93,16 @@ class HFCopyEngine(HFEngine):
                              "(FSDP / FSDP2 / ZeRO-3); use it with one process or DDP")
         # a fresh model from the config, not a deepcopy: the policy may carry hooks (MoE routing
         # records) and optimizer-side state that the copy must not inherit
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         config = policy.config
         device = next(policy.parameters()).device
-        copy = AutoModelForCausalLM.from_config(config, dtype=DTYPES[self.dtype],
-                                                trust_remote_code=spec.trust_remote_code)
+        if device.type == "cpu" and self.dtype == "bfloat16" and cpu_bf16_units() == []:
+            raise ConfigError("HFCopyEngine dtype: bfloat16 on a CPU without bfloat16 units (no avx512_bf16, amx_bf16 "
+                              "or bf16 in /proc/cpuinfo): PyTorch emulates bf16 there, slower than float32; sample "
+                              "from the float32 policy (model.engine: gspo_lightning.rollout.HFEngine)")
+        auto = AutoModelForImageTextToText if is_vision_language(policy) else AutoModelForCausalLM
+        copy = auto.from_config(config, dtype=DTYPES[self.dtype], trust_remote_code=spec.trust_remote_code)
         copy.to(device).eval().requires_grad_(False)
         self.model = copy
         self._targets = dict(copy.named_parameters())
@@ -123,4 +140,4 @@ class HFCopyEngine(HFEngine):
         self._targets = {}
 
 
-__all__ = ["HFCopyEngine", "fp8_round"]
+__all__ = ["HFCopyEngine", "cpu_bf16_units", "fp8_round"]
