@@ -334,3 +334,37 @@ def test_lora_adapts_the_language_model_only(tmp_path, vlm_folder):
     save_adapter(policy, tmp_path / "adapter", vlm_folder, LoRA(rank=4, alpha=8))
     reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(vlm_folder), tmp_path / "adapter")
     assert not any(".visual." in name and "lora_" in name for name, _ in reloaded.named_parameters())
+
+
+def draw_colour(colour: str):
+    """Draw a square of a colour.
+
+    Args:
+        colour: red, green, blue or yellow.
+    """
+    return draw_square(colour, random.Random(0))
+
+
+def test_a_tool_that_returns_an_image(vlm_folder):
+    """A tool's PIL image becomes its reply's image part, rendered into the episode's tokens."""
+    import asyncio
+
+    from gspo_lightning.episodes import ToolEnvironment
+    from gspo_lightning.episodes.multi_turn import MultiTurn
+    from gspo_lightning.rollout.episodes import _with_images
+
+    environment = ToolEnvironment(tools=[draw_colour])
+    environment.reset({}, [{"role": "user", "content": "colour"}])
+    call = '<tool_call>{"name": "draw_colour", "arguments": {"colour": "red"}}</tool_call>'
+    result = asyncio.run(environment.astep({"role": "assistant", "content": call}))
+    (reply,) = result.messages
+    assert reply["role"] == "tool" and reply["content"][0]["type"] == "image"
+    assert reply["content"][0]["image"].size == (56, 56)  # the tool's own image
+    tokenizer = load_tokenizer(vlm_folder)
+    episodes = MultiTurn(environment=environment, max_turns=2, end_of_turn="", system_prompt_for_tools=None)
+    episodes.start(tokenizer, 64, image_renderer=ImageRenderer(tokenizer, load_image_processor(vlm_folder)))
+    messages = [{"role": "user", "content": "colour"}, {"role": "assistant", "content": "red"}]
+    ids = episodes.renderer.continuation_ids(messages, result.messages)
+    expanded, images = _with_images(episodes, ids, result.messages)
+    assert expanded.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 4 and len(images) == 1
+    assert images[0]["image_grid_thw"].tolist() == [[1, 4, 4]]

@@ -137,12 +137,13 @@ class Tool:
                                 kind="arguments")
         return arguments
 
-    def __call__(self, arguments: dict, timeout_s: float) -> str:
+    def __call__(self, arguments: dict, timeout_s: float) -> Union[str, list[dict]]:
         """Run the tool from plain code (a fresh event loop); its result as text."""
         return asyncio.run(self.acall(arguments, timeout_s))
 
-    async def acall(self, arguments: dict, timeout_s: float) -> str:
-        """Run the tool: its result as text (a string as is, anything else by ``as_text``)."""
+    async def acall(self, arguments: dict, timeout_s: float) -> Union[str, list[dict]]:
+        """Run the tool: its result as text (a string as is, anything else by ``as_text``), or, for
+        a PIL image, a message content with that image as its one part (for a vision-language policy)."""
         arguments = self.check_arguments(arguments)
         slots = tool_slots.get()
         if slots is None:
@@ -213,9 +214,11 @@ class Tool:
         except BaseException as err:  # noqa: BLE001 - whatever it raises (SystemExit too) is the tool's reply
             raise ToolError(f"{self.name} raised {type(err).__name__}: {err}", kind="raised") from None
 
-    def _text(self, value: Any) -> str:
+    def _text(self, value: Any) -> Union[str, list[dict]]:
         if isinstance(value, str):
             return value
+        if _is_image(value):  # a vision-language policy sees it: the reply is an image part
+            return [{"type": "image", "image": value}]
         if self.as_text is not None:
             return self.as_text(value)
         try:
@@ -223,6 +226,11 @@ class Tool:
         except (TypeError, ValueError) as err:
             raise ToolError(f"{self.name} returned a {type(value).__name__}, which is not JSON: {err}",
                             kind="result") from None
+
+
+def _is_image(value: Any) -> bool:
+    """Whether ``value`` is a PIL image (without importing PIL for tools that never return one)."""
+    return any(cls.__module__.startswith("PIL.") and cls.__name__ == "Image" for cls in type(value).__mro__)
 
 
 def schema_of(function: Callable) -> dict:

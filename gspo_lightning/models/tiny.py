@@ -72,7 +72,8 @@ VLM_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-COLOUR_WORDS = ("colour", "where", "red", "green", "blue", "yellow", "left", "right", "top", "bottom", "user:", "assistant:")
+COLOUR_WORDS = ("colour", "where", "red", "green", "blue", "yellow", "left", "right", "top", "bottom", "user:", "assistant:",
+                "tool:")
 # a vision tower of 2 blocks over 14-pixel patches, 2x2 patches merged into one language token:
 # a 56-pixel image is 16 patches and 4 tokens
 TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
