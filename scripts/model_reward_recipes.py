@@ -75,8 +75,8 @@ def vllm_server(model: Path, name: str, log: Path, env: dict):
         server = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--served-model-name", name, "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
-             "--host", "127.0.0.1", "--port", str(port), "--api-key", key],
-            stdout=handle, stderr=subprocess.STDOUT, env={**env, "VLLM_CPU_KVCACHE_SPACE": "1",
+             "--host", "127.0.0.1", "--port", str(port)],  # the key in its environment: `ps` shows flags
+            stdout=handle, stderr=subprocess.STDOUT, env={**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key,
                                                           "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", last_core())})
         try:
             yield url, key, wait_until_served(url, key, server)

@@ -6,6 +6,7 @@ CI runs it in the vLLM environment."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import secrets
@@ -40,12 +41,12 @@ def free_port() -> int:
 def start_server(folder: Path, key: str, log_path: Path) -> tuple[subprocess.Popen, str]:
     """A stock vLLM server of ``folder`` on a free port of 127.0.0.1, as docs/vllm.md starts one."""
     port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
              "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
-             "processed_logprobs", "--host", "127.0.0.1", "--port", str(port), "--api-key", key],
+             "processed_logprobs", "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -203,3 +204,56 @@ def test_a_replica_that_dies_mid_run_loses_nothing(server, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(next(run.glob("csv/version_0/checkpoints/last.ckpt")), map_location="cpu",
                       weights_only=True)["global_step"] == 14
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_gspo_fit_launches_its_own_servers_and_they_end_with_it(tmp_path):
+    """``launch: 2``: the run writes the builtin model as a folder, starts two stock servers on
+    127.0.0.1 with a key of its own, trains on both (every sample at float32 distance from the
+    trainer) and stops them at the end; a trainer killed outright takes its servers with it."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(ROOT / "configs/quickstart_stock_vllm.yaml"),
+               "--trainer.val_check_interval=1000", "--trainer.num_sanity_val_steps=0",
+               "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run}", "--model.export_on_fit_end=false",
+               "--model.engine.init_args.base_urls=null"]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}  # the run draws its own
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([*command, "--trainer.max_steps=6", "--model.engine.init_args.launch=2"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    started = [line for line in done.stdout.splitlines() if line.startswith("vLLM server started: http://127.0.0.1:")]
+    assert len(started) == 2, done.stdout[-3000:]
+    pids = [int(line.split("(pid ")[1].split(",")[0]) for line in started]
+    rows = [r for r in csv.DictReader(open(next(run.rglob("metrics.csv")))) if r.get("engine/logprob_abs_diff")]
+    assert len(rows) == 6 and max(float(r["engine/logprob_abs_diff"]) for r in rows) < 1e-4
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(pid) for pid in pids)  # stopped with the run
+
+    # with the progress display on: its plain "step N/M" lines (no terminal) say training has begun
+    live = [arg for arg in command if arg != "--trainer.enable_progress_bar=false"]
+    killed = subprocess.Popen([*live, "--trainer.max_steps=1000", "--model.engine.init_args.launch=1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    pid, deadline = None, time.monotonic() + 600
+    for line in killed.stdout:
+        if line.startswith("vLLM server started:"):
+            pid = int(line.split("(pid ")[1].split(",")[0])
+        if pid is not None and line.startswith("step "):  # training, on the started server
+            break
+        assert time.monotonic() < deadline
+    assert pid is not None and alive(pid) and killed.poll() is None
+    killed.kill()  # SIGKILL: no cleanup of ours runs
+    killed.wait()
+    deadline = time.monotonic() + 60
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(pid), "the started vLLM server outlived the trainer"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -33,11 +34,12 @@ from typing import Any, Optional
 
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.stock_launch import StockServers
 from gspo_lightning.rollout.vllm import request_seeds
-from gspo_lightning.rollout.weight_sync import engine_name
+from gspo_lightning.rollout.weight_sync import engine_name, iter_policy_weights
 
-START_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR "
-                 "--logprobs-mode processed_logprobs --host 127.0.0.1 --port PORT --api-key KEY (docs/vllm.md)")
+START_COMMAND = ("VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=KEY python -m vllm.entrypoints.openai.api_server --model DIR "
+                 "--logprobs-mode processed_logprobs --host 127.0.0.1 --port PORT (docs/vllm.md)")
 
 
 def tied_aliases(policy) -> dict[str, str]:
@@ -62,31 +64,46 @@ class StockServerError(RuntimeError):
 
 
 class StockVLLMEngine(RolloutEngine):
-    """Samples on running stock vLLM servers (``model.engine``).
+    """Samples on stock vLLM servers (``model.engine``): running ones, or ones it starts here.
 
     Args:
         base_urls: the servers, e.g. ``[http://127.0.0.1:8000]`` (each started with the command
-            in docs/vllm.md, serving the run's model).
-        api_key_env: the environment variable that holds the servers' ``--api-key`` (a key is
-            never written in a config; unset: no key is sent).
+            in docs/vllm.md, serving the run's model). ``null`` with ``launch``.
+        api_key_env: the environment variable that holds the servers' key (``VLLM_API_KEY``, which
+            vLLM reads as ``--api-key``; a key is never written in a config; unset: no key is sent).
         weights_dir: where each update's safetensors folder is written for the servers to read
             (a path they see; default ``/dev/shm`` where it exists: memory, not disk).
         timeout_s: the longest wait for one call (a generation, a weights reload).
         max_reply_mb: the largest reply read from a server.
+        launch: start this many servers on this machine instead (127.0.0.1, free ports, a key drawn
+            for the run, docs/vllm.md's flags), stopped with the run; ``0``: use ``base_urls``.
+        launch_threads: CPU threads of each started server, on cores of its own.
+        launch_args: more ``vllm serve`` flags for the started servers.
+        launch_timeout_s: how long a started server may take to answer.
     """
 
-    def __init__(self, base_urls: list[str], api_key_env: str = "VLLM_API_KEY", weights_dir: Optional[str] = None,
-                 timeout_s: float = 600.0, max_reply_mb: int = 256):
+    def __init__(self, base_urls: Optional[list[str]] = None, api_key_env: str = "VLLM_API_KEY",
+                 weights_dir: Optional[str] = None, timeout_s: float = 600.0, max_reply_mb: int = 256, launch: int = 0,
+                 launch_threads: int = 1, launch_args: Optional[list[str]] = None, launch_timeout_s: float = 600.0):
         super().__init__()
-        if not base_urls:
-            raise ConfigError("StockVLLMEngine needs base_urls: the vLLM servers to sample on, e.g. "
-                              f"[http://127.0.0.1:8000]; start one with {START_COMMAND}")
+        if bool(base_urls) == bool(launch):
+            raise ConfigError("StockVLLMEngine needs either base_urls (the vLLM servers to sample on, e.g. "
+                              f"[http://127.0.0.1:8000]; start one with {START_COMMAND}) or launch: N (this run "
+                              f"starts N servers here), not {'both' if base_urls else 'neither'}")
+        if launch < 0 or launch_threads < 1 or not launch_timeout_s > 0:
+            raise ConfigError(f"StockVLLMEngine launch must be >= 0, launch_threads >= 1 and launch_timeout_s > 0, got "
+                              f"{launch}, {launch_threads}, {launch_timeout_s}")
+        base_urls = list(base_urls or [])
         bad = [url for url in base_urls if not str(url).startswith(("http://", "https://"))]
         if bad:
             raise ConfigError(f"StockVLLMEngine base_urls must be http(s) URLs, got {bad}")
         if not timeout_s > 0 or max_reply_mb < 1:
             raise ConfigError(f"StockVLLMEngine timeout_s must be > 0 and max_reply_mb >= 1, got {timeout_s}, {max_reply_mb}")
         self.urls = [str(url).rstrip("/").removesuffix("/v1") for url in base_urls]
+        self.launch, self.launch_threads, self.launch_args = launch, launch_threads, list(launch_args or [])
+        self.launch_timeout_s = launch_timeout_s
+        self._servers: Optional[StockServers] = None
+        self._key: Optional[str] = None  # the key of the servers this run started (else the variable's)
         self.api_key_env = api_key_env
         self.weights_dir = weights_dir
         self.timeout_s = timeout_s
@@ -100,7 +117,7 @@ class StockVLLMEngine(RolloutEngine):
     # -- calls -----------------------------------------------------------------------------
     def _call(self, url: str, path: str, body: Optional[dict] = None, *, method: Optional[str] = None,
               timeout: Optional[float] = None) -> Any:
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        key = self._key or (os.environ.get(self.api_key_env) if self.api_key_env else None)
         data = None if body is None else json.dumps(body, allow_nan=False).encode()
         request = urllib.request.Request(url + path, data=data, method=method or ("GET" if body is None else "POST"),
                                          headers={"Content-Type": "application/json",
@@ -142,6 +159,10 @@ class StockVLLMEngine(RolloutEngine):
         self.pad_token_id = spec.pad_token_id
         self.eos_token_ids = list(spec.eos_token_ids)
         self.aliases = tied_aliases(spec.policy)
+        root = self.weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._folder = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir=root))
+        if self.launch:
+            self._launch(spec)
         names = []
         for url in self.urls:
             models = self._call(url, "/v1/models").get("data") or []
@@ -158,8 +179,37 @@ class StockVLLMEngine(RolloutEngine):
         if len(set(names)) != 1:
             raise ConfigError(f"the vLLM servers serve different models {names}: serve the same model on each")
         self.model = names[0]
-        root = self.weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self._folder = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir=root))
+
+    def _launch(self, spec: EngineSpec) -> None:
+        """Start ``launch`` servers of the run's model: its folder as it is, or (a ``builtin:`` model,
+        a hub id) the policy written as one, as each update writes it (the first rollout pushes the
+        current weights anyway)."""
+        if spec.lora is not None:
+            raise ConfigError("StockVLLMEngine does not train LoRA adapters yet: remove model.lora, or use VLLMEngine")
+        model_dir = spec.model_name_or_path
+        if not Path(model_dir).is_dir():
+            if spec.policy is None or spec.tokenizer is None:
+                raise ConfigError(f"StockVLLMEngine launch needs the policy and tokenizer to write {model_dir} as a folder")
+            folder = self._folder / "model"
+            folder.mkdir()
+            spec.policy.config.save_pretrained(folder)
+            spec.tokenizer.save_pretrained(folder)
+            self._write_weights(iter_policy_weights(spec.policy), folder)
+            model_dir = str(folder)
+        self._key = secrets.token_hex(16)
+        self._servers = StockServers(self.launch, self.launch_threads, self.launch_args)
+        self.urls = self._servers.start(model_dir, self._key, spec.dtype, spec.max_model_len, self.launch_timeout_s)
+
+    def _write_weights(self, weights: WeightsIterator, folder: Path) -> tuple[int, int]:
+        """``weights`` as one safetensors file in ``folder`` (tied tensors under each name); ``(bytes, tensors)``."""
+        from safetensors.torch import save_file
+
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights}
+        for alias, name in self.aliases.items():  # a copy: safetensors refuses two names on one storage
+            if alias not in tensors and name in tensors:
+                tensors[alias] = tensors[name].clone()
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)
 
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
         if self.model is None:
@@ -193,21 +243,13 @@ class StockVLLMEngine(RolloutEngine):
                                      self.pad_token_id, weights_version=self.weights_version)
 
     def update_weights(self, weights: WeightsIterator, version: int) -> dict[str, float]:
-        from safetensors.torch import save_file
-
         if self._folder is None:
             raise RuntimeError("StockVLLMEngine.update_weights before start()")
         start = time.perf_counter()
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights}
-        for alias, name in self.aliases.items():  # a copy: safetensors refuses two names on one storage
-            if alias not in tensors and name in tensors:
-                tensors[alias] = tensors[name].clone()
         # a fresh folder per version: a server never reads a half-written file of the next one
         folder = self._folder / f"v{version}"
         folder.mkdir()
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        size, count = sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)
-        del tensors
+        size, count = self._write_weights(weights, folder)
         written = time.perf_counter()
         self._each("/pause?mode=wait", {})
         try:
@@ -217,13 +259,16 @@ class StockVLLMEngine(RolloutEngine):
         finally:
             self._each("/resume", {})
         for old in self._folder.iterdir():
-            if old != folder:
+            if old != folder and old.name != "model":  # the started servers' model folder stays
                 shutil.rmtree(old, ignore_errors=True)
         self.weights_version = version
         return {"bytes": float(size), "tensors": float(count),
                 "seconds": time.perf_counter() - start, "write_seconds": written - start}
 
     def close(self) -> None:
+        if self._servers is not None:
+            self._servers.stop()
+            self._servers = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
