@@ -54,7 +54,8 @@ def test_the_old_policy_pass_runs_one_forward_per_budget_not_per_mini_batch(tiny
     module._build_updater(4)
     assert module.updater.settings.micro_batch_size == 8 and module.updater.settings.no_grad_micro_batch_size == 585
     ids = torch.randint(3, module.policy.config.vocab_size, (32, 14), generator=torch.Generator().manual_seed(2))
-    rollout = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids), prompt_width=8, num_responses=32)
+    rollout = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids), prompt_width=8, num_responses=32,
+                              images_of=lambda rows: None)
     seen = []
     hook = module.policy.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]),
                                                                  with_kwargs=True)
