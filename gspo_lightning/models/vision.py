@@ -70,7 +70,6 @@ def _decode(source: Union[io.BytesIO, Path], what: str):
         raise ValueError(f"{what} is not a readable image ({type(err).__name__}: {err})") from None
 
 
-
 # a prompt's images as the model takes them: {"pixel_values": (patches, D), "image_grid_thw": (images, 3)}
 ImageInputs = dict[str, Tensor]
 VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")

@@ -7,7 +7,6 @@ their parent dies). The log of a server that failed is kept."""
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
 import socket
@@ -21,17 +20,16 @@ from typing import Optional
 
 from gspo_lightning.errors import ConfigError
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent (the trainer) dies, and a process group
-    of its own (vLLM's engine process is in it: the group is stopped as one)."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: the atexit stop still runs on a normal end
-        pass
+# Run before vLLM in the server's own Python (not in a preexec_fn, which may deadlock in a trainer
+# that has threads): SIGTERM when the parent, the trainer, dies (prctl PR_SET_PDEATHSIG, kept across
+# exec), then exec vLLM's server in the same process. A parent already gone: exit at once.
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "except OSError:\n    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
 
 
 def free_port() -> int:
@@ -60,7 +58,8 @@ class StockServers:
         self.folder: Optional[tempfile.TemporaryDirectory] = None
 
     def command(self, model_dir: str, port: int, dtype: str, max_model_len: Optional[int]) -> list[str]:
-        command = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
+        command = [self.python, "-c", DIE_WITH_PARENT, str(os.getpid()),
+                   "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
                    "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1", "--port", str(port)]
         if max_model_len is not None:
             command += ["--max-model-len", str(max_model_len)]
@@ -94,7 +93,7 @@ class StockServers:
             with open(log, "w") as out:
                 self.processes.append(subprocess.Popen(
                     self.command(model_dir, port, dtype, max_model_len), env=self.environment(index, key),
-                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True))  # a group to stop as one
             self.logs.append(log)
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s
