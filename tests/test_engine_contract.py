@@ -43,6 +43,8 @@ ENGINES = [
     # the client engine, against a rollout server on localhost hosting each engine
     pytest.param(("remote-hf", MODEL), id="remote-hf"),
     pytest.param(("remote-vllm", MODEL), id="remote-vllm", marks=pytest.mark.vllm),
+    # the stock vLLM client, against gspo serve's vLLM routes (rollout/server/vllm_api.py)
+    pytest.param(("stock-hf", MODEL), id="stock-hf"),
 ]
 TINY_TEXTS = ["next 1 2 3", "next 9", "next 4 0 4 7 1"]
 # chat prompts: the first is answered in a few tokens, the last runs to the limit
@@ -63,7 +65,7 @@ class Harness:
 
     @property
     def atol(self) -> float:
-        if self.kind in ("hf", "remote-hf"):
+        if self.kind in ("hf", "remote-hf", "stock-hf"):
             return LOGPROB_ATOL["hf"]
         engine = self.server.engine if self.server is not None else self.engine
         return LOGPROB_ATOL[engine.device_type]
@@ -128,12 +130,17 @@ def harness(request):
         from gspo_lightning.rollout import RemoteEngine
         from tests.helpers import serve_in_thread
 
-        hosted = {"class_path": "gspo_lightning.rollout.HFEngine"} if kind == "remote-hf" else None
+        hosted = {"class_path": "gspo_lightning.rollout.HFEngine"} if kind in ("remote-hf", "stock-hf") else None
         if hosted is None:
             vllm_engine()  # skips without vLLM
             hosted = {"class_path": "gspo_lightning.rollout.VLLMEngine", "init_args": VLLM_ARGS}
         server, httpd, url = serve_in_thread(MODEL, hosted, prompt_length=8, response_length=MAX_NEW, seed=RUN_SEED)
-        engine = RemoteEngine(urls=[url])
+        if kind == "stock-hf":
+            from gspo_lightning.rollout import StockVLLMEngine
+
+            engine = StockVLLMEngine(base_urls=[url], api_key_env="GSPO_SERVER_TOKEN")
+        else:
+            engine = RemoteEngine(urls=[url])
     engine.start(EngineSpec(
         model_name_or_path=model, dtype="float32", response_length=MAX_NEW, seed=RUN_SEED,
         prompt_length=max(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts),

@@ -13,6 +13,10 @@ OpenAI and RL routes: nothing of ours runs beside them.
   prefixes were computed with the old weights) and ``/resume``.
 - Replicas: each prompt's whole group goes to one replica (its prompt is cached once), prompts
   spread over the replicas in turn; control calls go to every replica.
+- ``gspo serve`` answers the same routes (``rollout/server/vllm_api.py``; the HF engine, for
+  machines without vLLM): its ``/v1/models`` says so, and it then gets a replica's prompts in
+  one request, which its engine batches (vLLM batches separate requests itself). Its key is
+  the server's secret: ``api_key_env: GSPO_SERVER_TOKEN``.
 
 vLLM authenticates only its OpenAI routes (``--api-key``); its dev-mode routes take any caller:
 keep the servers on 127.0.0.1 or a private interface (docs/vllm.md).
@@ -35,6 +39,8 @@ from typing import Any, Optional
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
 from gspo_lightning.rollout.stock_launch import StockServers
+from gspo_lightning.rollout.sampling import server_share_seed
+from gspo_lightning.rollout.server.vllm_api import OWNER as GSPO_SERVE_OWNER
 from gspo_lightning.rollout.vllm import request_seeds
 from gspo_lightning.rollout.weight_sync import engine_name, iter_policy_weights
 
@@ -113,6 +119,7 @@ class StockVLLMEngine(RolloutEngine):
         self._folder: Optional[Path] = None
         self.aliases: dict[str, str] = {}
         self._pool: Optional[ThreadPoolExecutor] = None
+        self.batching: set[str] = set()  # replicas that take several prompts per request (gspo serve)
 
     # -- calls -----------------------------------------------------------------------------
     def _call(self, url: str, path: str, body: Optional[dict] = None, *, method: Optional[str] = None,
@@ -176,6 +183,10 @@ class StockVLLMEngine(RolloutEngine):
                                   f"restart it with --max-model-len {spec.max_model_len}")
             self._call(url, "/is_paused")  # the RL routes are there (VLLM_SERVER_DEV_MODE=1)
             names.append(model["id"])
+            # gspo serve (vllm_api.py) takes a replica's prompts in one request: its HF engine batches
+            # them, and one seed per request keeps them reproducible; vLLM gets one request per prompt
+            if model.get("owned_by") == GSPO_SERVE_OWNER:
+                self.batching.add(url)
         if len(set(names)) != 1:
             raise ConfigError(f"the vLLM servers serve different models {names}: serve the same model on each")
         self.model = names[0]
@@ -201,15 +212,17 @@ class StockVLLMEngine(RolloutEngine):
         self.urls = self._servers.start(model_dir, self._key, spec.dtype, spec.max_model_len, self.launch_timeout_s)
 
     def _write_weights(self, weights: WeightsIterator, folder: Path) -> tuple[int, int]:
-        """``weights`` as one safetensors file in ``folder`` (tied tensors under each name); ``(bytes, tensors)``."""
+        """``weights`` as one safetensors file in ``folder`` (tied tensors under each name); ``(bytes, tensors)``
+        of the weights given (an alias's copy is not counted)."""
         from safetensors.torch import save_file
 
         tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights}
+        size, count = sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)  # the policy's own
         for alias, name in self.aliases.items():  # a copy: safetensors refuses two names on one storage
             if alias not in tensors and name in tensors:
                 tensors[alias] = tensors[name].clone()
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)
+        return size, count
 
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
         if self.model is None:
@@ -220,17 +233,35 @@ class StockVLLMEngine(RolloutEngine):
                 # every EOS the trainer knows of, and only those (as the other engines stop)
                 "stop_token_ids": self.eos_token_ids, "ignore_eos": True, "skip_special_tokens": False}
 
-        def one(index: int) -> list[dict]:
-            url = self.urls[index % len(self.urls)]  # the whole group on one replica
-            reply = self._call(url, "/v1/completions", {**body, "prompt": prompt_ids[index], "seed": seeds[index]})
+        def request(url: str, prompts: list[int] | list[list[int]], request_seed: int, count: int) -> list[dict]:
+            reply = self._call(url, "/v1/completions", {**body, "prompt": prompts, "seed": request_seed})
             choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
-            if len(choices) != n:
-                raise StockServerError(f"vLLM server {url} returned {len(choices)} samples for one prompt, not {n}")
+            if len(choices) != count * n:
+                raise StockServerError(f"vLLM server {url} returned {len(choices)} samples for {count} prompt(s), "
+                                       f"not {count * n}")
             return choices
 
+        # the whole group of a prompt on one replica (its prompt cached once), prompts in turn
+        calls, order = [], []
+        for k, url in enumerate(self.urls):
+            mine = list(range(k, len(prompt_ids), len(self.urls)))
+            if not mine:
+                continue
+            if url in self.batching:
+                calls.append((url, [prompt_ids[i] for i in mine], server_share_seed(seed, k), len(mine)))
+            else:
+                calls.extend((url, prompt_ids[i], seeds[i], 1) for i in mine)
+            order.extend(mine)
+        replies = list(self._pool.map(lambda call: request(*call), calls))
+        by_prompt: dict[int, list[dict]] = {}
+        position = iter(order)
+        for choices in replies:
+            for start in range(0, len(choices), n):
+                by_prompt[next(position)] = choices[start:start + n]
+
         tokens, logprobs, truncated = [], [], []
-        for choices in self._pool.map(one, range(len(prompt_ids))):
-            for choice in choices:
+        for index in range(len(prompt_ids)):
+            for choice in by_prompt[index]:
                 ids = choice.get("token_ids")
                 values = (choice.get("logprobs") or {}).get("token_logprobs")
                 if ids is None or values is None or len(values) != len(ids):

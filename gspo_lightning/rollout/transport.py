@@ -304,6 +304,40 @@ class FolderTransport(WeightTransport):
             self._own_root = None
 
 
+def read_safetensors_folder(weights_root: str, path: Any) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the ``*.safetensors`` files in ``path`` (a folder as vLLM's
+    ``reload_weights`` reads one), under the same rules as a pushed folder: strictly inside
+    ``weights_root``, owned by this user, writable by nobody else, files read through
+    descriptors that follow no link. Checked now; read as the iterator is consumed."""
+    folder = FolderTransport(path=weights_root).folder_of({"path": path})
+    files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"weights folder {str(path)[:200]!r} holds no .safetensors file")
+    descriptors: list[int] = []
+    try:
+        for name in files:  # every file opened (links refused) before anything is read
+            descriptors.append(_open_bucket(folder, name))
+    except BaseException:
+        for fd in descriptors:
+            os.close(fd)
+        raise
+    return _read_descriptors(folder, files, descriptors)
+
+
+def _read_descriptors(folder: Path, files: list[str], descriptors: list[int]) -> Iterator[tuple[str, Tensor]]:
+    from safetensors import safe_open
+
+    try:
+        for name, fd in zip(files, descriptors):
+            where = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(folder / name)
+            with safe_open(where, framework="pt") as handle:
+                for tensor_name in handle.keys():
+                    yield tensor_name, handle.get_tensor(tensor_name)
+    finally:
+        for fd in descriptors:
+            os.close(fd)
+
+
 OWN_ROOT_PREFIX = "gspo-weights-"
 
 
@@ -498,5 +532,5 @@ def connect_unless_refused(connect: Callable[[], Any], reply: "Future", timeout_
 RECEIVERS: dict[str, type[WeightTransport]] = {FolderTransport.kind: FolderTransport, NCCLTransport.kind: NCCLTransport}
 
 
-__all__ = ["FolderTransport", "InProcessTransport", "NCCLTransport", "RECEIVERS", "WeightTransport", "WeightsChecksum",
+__all__ = ["FolderTransport", "InProcessTransport", "NCCLTransport", "RECEIVERS", "read_safetensors_folder", "WeightTransport", "WeightsChecksum",
            "checksum_of", "connect_unless_refused", "default_weights_root", "nccl_layout", "remove_dead_runs_folders"]

@@ -118,6 +118,8 @@ class RolloutServer:
         self.version = -1
         self.checksum: Optional[str] = None
         self.condition = threading.Condition()  # held by a generation or a weight load
+        self.paused = False  # vLLM's /pause: generations wait until /resume
+        self.tokenizer = None
         self.identity: dict[str, Any] = {}
         self._param_name = lambda name: name  # pushed name -> the held model's parameter (start() sets it)
 
@@ -136,6 +138,7 @@ class RolloutServer:
         model.config.use_cache = False
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         eos = eos_token_ids(model, tokenizer)
+        self.tokenizer = tokenizer
         fingerprint_ = model_fingerprint(model)  # of the base: what the trainer's LoRA policy reports too
         lora, base_checksum = None, None
         if spec.lora is not None:
@@ -220,7 +223,8 @@ class RolloutServer:
             self.engine.update_weights(pairs, version)
             return
         # the engine samples from the server's model: copy into its parameters
-        params = dict(self.held_model.named_parameters())
+        # every name of a shared tensor (a folder written for vLLM holds the tied head as well)
+        params = dict(self.held_model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, tensor in pairs:
                 target = params.get(self._param_name(name))
@@ -234,7 +238,7 @@ class RolloutServer:
         dtypes that were sent (else ``None``: the checksum of what was received stands)."""
         if self.held_model is None:
             return None
-        params = {name: p for name, p in self.held_model.named_parameters()}
+        params = dict(self.held_model.named_parameters(remove_duplicate=False))
         held = {name: params.get(self._param_name(name)) for name in names}
         if any(held[name] is None or held[name].dtype != dtypes[name] for name in names):
             return None
@@ -249,20 +253,7 @@ class RolloutServer:
         """Responses to ``prompt_ids`` (checked by ``limits.generation_request`` when they come
         over HTTP)."""
         self.lease.hold(token)
-        sampling = params
-        deadline = time.monotonic() + self.version_wait_s
-        with self.condition:
-            # a newer version is fine (a trainer that pushed while this request was on its way)
-            while version is not None and self.version < version and time.monotonic() < deadline:
-                self.condition.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            if version is not None and self.version < version:
-                raise VersionError(f"the server serves weights version {self.version}, the request asks for {version} or newer")
-            self.engine.wake()
-            try:
-                generation = self.engine.generate(prompt_ids, n, sampling, seed)
-            finally:
-                self.engine.sleep()
-            served, checksum = self.version, self.checksum
+        generation, served, checksum = self.sample(prompt_ids, n, params, seed, version)
         self.lease.hold(token)
         lengths = generation.lengths.tolist()
         return {
@@ -270,6 +261,67 @@ class RolloutServer:
             "logprobs": [row[:k] for row, k in zip(generation.logprobs.tolist(), lengths)],
             "truncated": generation.truncated.tolist(), "version": served, "checksum": checksum,
         }
+
+    def sample(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int,
+               version: Optional[int] = None):
+        """``(generation, version, checksum)``: the engine's samples, once the server serves
+        ``version`` or newer (when given) and is not paused, each waited for up to
+        ``version_wait_s``."""
+        deadline = time.monotonic() + self.version_wait_s
+        with self.condition:
+            # a newer version is fine (a trainer that pushed while this request was on its way)
+            while (self.paused or (version is not None and self.version < version)) and time.monotonic() < deadline:
+                self.condition.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if self.paused:
+                raise VersionError(f"the server stayed paused (POST /pause) for {self.version_wait_s:.0f} s: resume it "
+                                   "with POST /resume")
+            if version is not None and self.version < version:
+                raise VersionError(f"the server serves weights version {self.version}, the request asks for {version} or newer")
+            self.engine.wake()
+            try:
+                generation = self.engine.generate(prompt_ids, n, params, seed)
+            finally:
+                self.engine.sleep()
+            return generation, self.version, self.checksum
+
+    # -- vLLM's RL routes (``vllm_api.py``): pause, a weights folder, the version ----------------
+    def pause(self) -> None:
+        """Stop new generations; returns once the one in flight (if any) has ended."""
+        with self.condition:
+            self.paused = True
+
+    def resume(self) -> None:
+        with self.condition:
+            self.paused = False
+            self.condition.notify_all()
+
+    def reload_folder(self, path: str) -> dict:
+        """Load every tensor of the safetensors files in ``path`` (a folder under the weights
+        root, written by this server's user; vLLM's ``reload_weights``). The version becomes
+        ``-1`` until ``set_version``: the served weights are no version a client asked for."""
+        from gspo_lightning.rollout.transport import read_safetensors_folder
+
+        start = time.perf_counter()
+        with self.condition:
+            stream = read_safetensors_folder(self.weights_root, path)  # refused before anything changes
+            received = WeightsChecksum()
+            dtypes: dict[str, torch.dtype] = {}
+
+            def pairs() -> Iterator[tuple[str, Tensor]]:
+                for name, tensor in stream:
+                    received.update(name, tensor)
+                    dtypes[name] = tensor.dtype
+                    yield name, tensor
+
+            self.version, self.checksum = -1, None
+            self._load_pairs(pairs(), -1)
+            self.checksum = self._held_checksum(list(dtypes), dtypes) or received.hexdigest()
+        return {"seconds": time.perf_counter() - start, "tensors": received.tensors, "bytes": received.bytes}
+
+    def set_version(self, version: int) -> None:
+        with self.condition:
+            self.version = int(version)
+            self.condition.notify_all()
 
     def close(self) -> None:
         for receiver in self._receivers.values():

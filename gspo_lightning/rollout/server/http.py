@@ -20,6 +20,11 @@
                          unpadded), ``truncated``, ``version``, ``checksum``
 =======================  =================================================================
 
+and the part of vLLM's API that ``StockVLLMEngine`` drives (``vllm_api.py``: ``/v1/models``,
+``/v1/completions`` on token ids, ``/pause``, ``/resume``, ``/is_paused``, ``/collective_rpc``
+``reload_weights``, ``/update_weight_version``, ``/reset_prefix_cache``), so that one client
+drives stock vLLM servers and this one.
+
 Every route but ``/health`` needs ``Authorization: Bearer <secret>`` (``auth.py``; a server
 always has one), else 401, and nothing is read or done. Errors reply ``{"error": "...", "kind":
 ...}`` with status 400 (a bad request), 401, 404, 411 (no ``Content-Length``), 413 (a body
@@ -50,6 +55,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
@@ -57,35 +63,36 @@ from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.server.auth import authorized, is_loopback
 from gspo_lightning.rollout.server.host import RolloutServer, VersionError
 from gspo_lightning.rollout.server.lease import SessionError
+from gspo_lightning.rollout.server.vllm_api import VLLM_ROUTES
 from gspo_lightning.rollout.server.limits import BadRequest, ServerLimits, generation_request, session_token, \
     weights_request
 
-Route = Callable[[RolloutServer, dict], dict]
+Route = Callable[[RolloutServer, dict, dict], dict]  # (server, JSON body, query)
 
 
-def health(app: RolloutServer, body: dict) -> dict:
+def health(app: RolloutServer, body: dict, query: dict) -> dict:
     return {"ok": True}
 
 
-def info(app: RolloutServer, body: dict) -> dict:
+def info(app: RolloutServer, body: dict, query: dict) -> dict:
     return app.info()
 
 
-def open_session(app: RolloutServer, body: dict) -> dict:
+def open_session(app: RolloutServer, body: dict, query: dict) -> dict:
     app.lease.hold(session_token(body))
     return app.info()
 
 
-def close_session(app: RolloutServer, body: dict) -> dict:
+def close_session(app: RolloutServer, body: dict, query: dict) -> dict:
     app.lease.release(session_token(body))
     return {"ok": True}
 
 
-def load_weights(app: RolloutServer, body: dict) -> dict:
+def load_weights(app: RolloutServer, body: dict, query: dict) -> dict:
     return app.load(**weights_request(body))
 
 
-def generate(app: RolloutServer, body: dict) -> dict:
+def generate(app: RolloutServer, body: dict, query: dict) -> dict:
     return app.generate(**generation_request(body, app.limits, app.vocab_size, app.spec.response_length))
 
 
@@ -96,6 +103,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/session/close"): close_session,
     ("POST", "/weights"): load_weights,
     ("POST", "/generate"): generate,
+    **VLLM_ROUTES,  # the subset of vLLM's API that StockVLLMEngine drives (vllm_api.py)
 }
 OPEN_ROUTES = {("GET", "/health")}  # answered without the secret
 CONTENT_LENGTH = re.compile(r"[0-9]{1,18}")
@@ -263,7 +271,8 @@ def handler_for(app: RolloutServer) -> type[BaseHTTPRequestHandler]:
             return body
 
         def _route(self, method: str) -> None:
-            key = (method, self.path.split("?")[0])
+            path, _, query_string = self.path.partition("?")
+            key = (method, path)
             route = ROUTES.get(key)
             if route is None:
                 self._refuse(404, "not_found", f"no route {method} {self.path[:200]}")
@@ -283,7 +292,8 @@ def handler_for(app: RolloutServer) -> type[BaseHTTPRequestHandler]:
             self.server.unwatch(self.connection)
             self.connection.settimeout(self.server.limits.reply_timeout_s)  # a large reply may take a while to send
             try:
-                self._reply(200, route(app, body))
+                query = {k: v[-1] for k, v in urllib.parse.parse_qs(query_string[:1000]).items()}
+                self._reply(200, route(app, body, query))
             except (SessionError, VersionError) as error:
                 self._reply(409, {"error": str(error), "kind": "session" if isinstance(error, SessionError) else "version"})
             except BadRequest as error:

@@ -10,6 +10,7 @@ sampling parameters that are finite numbers. A trainer never comes near the defa
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -109,10 +110,26 @@ SEED_RANGE = (0, 2**63 - 1)
 def generation_request(body: dict, limits: ServerLimits, vocab_size: int, response_length: int) -> dict:
     """``POST /generate``'s arguments, checked: ``token``, ``prompt_ids``, ``n``, ``params``
     (a :class:`SamplingParams`), ``seed``, ``version``."""
-    max_new_tokens = limits.max_new_tokens or response_length
     prompts = body.get("prompt_ids")
     if not isinstance(prompts, list) or not prompts:
         raise BadRequest("prompt_ids must be a non-empty list of prompts (lists of token ids)")
+    n = integer(body, "n", 1, limits.max_n, " (gspo serve --max_n)")
+    check_prompts(prompts, n, limits, vocab_size)
+    params = json_object(body.get("params"), "params")
+    unknown = set(params) - SAMPLING_KEYS
+    if unknown:
+        raise BadRequest(f"unknown sampling parameters {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
+    sampling = sampling_params(params, params.get("max_new_tokens"), params.get("top_k", 0), limits, vocab_size,
+                               response_length)
+    version = body.get("version")
+    if version is not None:
+        version = integer(body, "version", -1, 2**62)
+    return {"token": session_token(body), "prompt_ids": prompts, "n": n, "params": sampling,
+            "seed": integer(body, "seed", *SEED_RANGE), "version": version}
+
+
+def check_prompts(prompts: list, n: int, limits: ServerLimits, vocab_size: int) -> None:
+    """Prompts as lists of token ids, within the server's counts and vocabulary."""
     if len(prompts) > limits.max_prompts:
         raise BadRequest(f"{len(prompts)} prompts in one request; this server takes at most {limits.max_prompts} "
                          "(gspo serve --max_prompts)")
@@ -123,25 +140,69 @@ def generation_request(body: dict, limits: ServerLimits, vocab_size: int, respon
         # type() is exact: bool is an int subclass, and True is no token id
         if not all(type(t) is int and 0 <= t < vocab_size for t in prompt):
             raise BadRequest(f"token ids must be integers in [0, {vocab_size}) (this model's vocabulary)")
-    n = integer(body, "n", 1, limits.max_n, " (gspo serve --max_n)")
     if len(prompts) * n > limits.max_responses:
         raise BadRequest(f"{len(prompts)} prompts x n={n} responses exceed this server's {limits.max_responses} "
                          "per request (gspo serve --max_responses)")
-    params = json_object(body.get("params"), "params")
-    unknown = set(params) - SAMPLING_KEYS
-    if unknown:
-        raise BadRequest(f"unknown sampling parameters {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
-    sampling = SamplingParams(
-        max_new_tokens=integer(params, "max_new_tokens", 1, max_new_tokens, " (the server's response_length, or "
-                               "gspo serve --max_new_tokens)"),
+
+
+def sampling_params(params: dict, max_new_tokens: Any, top_k: Any, limits: ServerLimits, vocab_size: int,
+                    response_length: int) -> SamplingParams:
+    longest = limits.max_new_tokens or response_length
+    return SamplingParams(
+        max_new_tokens=integer({"max_new_tokens": max_new_tokens}, "max_new_tokens", 1, longest,
+                               " (the server's response_length, or gspo serve --max_new_tokens)"),
         temperature=finite(params, "temperature", 1.0), top_p=finite(params, "top_p", 1.0),
-        top_k=integer({"top_k": params.get("top_k", 0)}, "top_k", 0, vocab_size),
+        top_k=integer({"top_k": top_k}, "top_k", 0, vocab_size),
     )  # SamplingParams checks the ranges (temperature >= 0, top_p in (0, 1])
-    version = body.get("version")
-    if version is not None:
-        version = integer(body, "version", -1, 2**62)
-    return {"token": session_token(body), "prompt_ids": prompts, "n": n, "params": sampling,
-            "seed": integer(body, "seed", *SEED_RANGE), "version": version}
+
+
+# what a completion request of vLLM's API may hold here (StockVLLMEngine's, an OpenAI client's):
+# anything else would change the samples in a way this server does not, so it is refused by name
+COMPLETION_KEYS = {"model", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs",
+                   "return_token_ids", "stop_token_ids", "ignore_eos", "skip_special_tokens", "stream", "echo", "user"}
+
+
+def completion_request(body: dict, limits: ServerLimits, vocab_size: int, response_length: int,
+                       eos_token_ids: list[int]) -> dict:
+    """``POST /v1/completions`` (vLLM's API, prompts as token ids) as ``prompt_ids``, ``n``,
+    ``params``, ``seed`` for the engine; ``logprobs`` whether they are asked for."""
+    unknown = set(body) - COMPLETION_KEYS
+    if unknown:
+        raise BadRequest(f"this server does not take {sorted(unknown)} in a completion request (it takes "
+                         f"{sorted(COMPLETION_KEYS)})")
+    if body.get("stream") or body.get("echo"):
+        raise BadRequest("this server does not stream or echo completions: send stream and echo false")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = prompt
+    else:
+        raise BadRequest("prompt must be token ids (a list of integers, or a list of such lists): this server reads "
+                         "no text, so nothing is tokenized twice")
+    n = integer({"n": body.get("n", 1)}, "n", 1, limits.max_n, " (gspo serve --max_n)")
+    check_prompts(prompts, n, limits, vocab_size)
+    top_k = body.get("top_k", 0)
+    top_k = 0 if top_k in (None, -1) else top_k  # vLLM's "no top-k" is -1 (or 0)
+    params = {key: body[key] for key in ("temperature", "top_p") if body.get(key) is not None}
+    max_tokens = body.get("max_tokens")
+    sampling = sampling_params(params, limits.max_new_tokens or response_length if max_tokens is None else max_tokens,
+                               top_k, limits, vocab_size, response_length)
+    stops = set(body.get("stop_token_ids") or [])
+    if not body.get("ignore_eos"):
+        stops |= set(eos_token_ids)
+    if stops != set(eos_token_ids):
+        raise BadRequest(f"this server's samples end at its model's EOS tokens {sorted(eos_token_ids)} and nowhere else: "
+                         f"send stop_token_ids {sorted(eos_token_ids)} (or none), not {sorted(stops)[:20]}")
+    seed = body.get("seed")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, 0, 1):
+        raise BadRequest("logprobs must be 0 (the sampled token's log-prob) or null: this server returns no top-k "
+                         "alternatives")
+    return {"prompt_ids": prompts, "n": n, "params": sampling,
+            # no seed: a fresh one, as vLLM draws (two unseeded calls must not return the same samples)
+            "seed": integer({"seed": secrets.randbelow(SEED_RANGE[1]) if seed is None else seed}, "seed", *SEED_RANGE),
+            "logprobs": logprobs is not None}
 
 
 def weights_request(body: dict) -> dict:
@@ -153,4 +214,4 @@ def weights_request(body: dict) -> dict:
     return {"token": session_token(body), "version": integer(body, "version", 0, 2**62), "manifest": manifest}
 
 
-__all__ = ["BadRequest", "ServerLimits", "generation_request", "weights_request"]
+__all__ = ["BadRequest", "ServerLimits", "completion_request", "generation_request", "weights_request"]
