@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -376,14 +377,14 @@ def test_fit_writes_a_checkpoint_when_the_server_dies_and_resume_continues(tmp_p
 
 
 # -- a 2-rank trainer feeding one server -----------------------------------------------------------------
-def launch(out_dir: Path, strategy: str, engines: tuple[str, ...]) -> dict[str, dict]:
+def launch(out_dir: Path, strategy: str, engines: tuple[str, ...], env: Optional[dict] = None) -> dict[str, dict]:
     """The runs named by ``engines``, one after the other in one torchrun launch, by the file
     each saved (a repeated engine saves ``<engine>_again``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests/distributed/server_worker.py"), "--strategy", strategy, "--out_dir", str(out_dir),
            "--engines", *engines]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {path.stem: torch.load(path) for path in out_dir.glob("*.pt")}
@@ -400,8 +401,13 @@ def assert_same_weights(state: dict, expected: dict, what: str) -> None:
 def test_two_ranks_feeding_one_server_equal_the_colocated_run(tmp_path, strategy):
     # DDP runs the colocated case twice: a repeat must be bitwise equal (the policy's DDP
     # wrapper with gradient_as_bucket_view=True made the 2nd and later steps differ run to run)
-    engines = ("colocated", "server", "colocated") if strategy == "ddp" else ("colocated", "server")
-    runs = launch(tmp_path, strategy, engines)
+    engines = ("colocated", "server", "stock", "colocated") if strategy == "ddp" else ("colocated", "server", "stock")
+    port = free_port()
+    stock_server = start_process_server(tmp_path, port)  # the stock-vLLM client's, through vLLM's routes
+    try:
+        runs = launch(tmp_path, strategy, engines, env={"GSPO_TEST_STOCK_URL": f"http://127.0.0.1:{port}"})
+    finally:
+        stop(stock_server)
     colocated, served = runs["colocated"], runs["server"]
     if strategy == "ddp":
         assert runs["colocated_again"]["rewards"] == colocated["rewards"]
@@ -409,6 +415,7 @@ def test_two_ranks_feeding_one_server_equal_the_colocated_run(tmp_path, strategy
     assert served["world"] == 2
     # the server holds exactly the trainer's full weights after a push (checksum of what it holds)
     assert served["server_checksum"] == served["trainer_checksum"] and served["server_version"] >= 3
-    # same seeds, same samples, same updates
-    assert served["rewards"] == colocated["rewards"] and len(served["rewards"]) == 3
+    # same seeds, same samples, same updates; through vLLM's routes too (rank 0 reloads, both ranks sample)
+    assert runs["stock"]["rewards"] == colocated["rewards"]
+    assert_same_weights(runs["stock"]["state"], colocated["state"], "stock client vs colocated")
     assert_same_weights(served["state"], colocated["state"], "served vs colocated")

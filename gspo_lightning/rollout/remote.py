@@ -48,6 +48,7 @@ from gspo_lightning.rollout.engine import (
     EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, check_lora_sync, lora_weights_format,
 )
 from gspo_lightning.rollout.replies import check_generation_reply, check_weights_reply
+from gspo_lightning.rollout.rank_zero import RankZeroShare
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.auth import SECRET_ENV, bearer, read_secret
 from gspo_lightning.rollout.server.host import DEFAULT_ENGINE, ServerSpec, fingerprint
@@ -211,7 +212,7 @@ class RemoteEngine(RolloutEngine):
         self.pushed: Optional[Manifest] = None  # the last push: re-sent to a restarted server
         self.checksums: dict[int, str] = {}  # recent versions pushed -> checksum of their weights
         self._recovering = threading.Lock()
-        self._group = None  # the process group of this engine's collectives (several ranks)
+        self._ranks = RankZeroShare()  # rank 0's outcomes on every rank (several ranks)
         self.last_load_seconds = 0.0
 
     # -- start ---------------------------------------------------------------------------
@@ -243,11 +244,11 @@ class RemoteEngine(RolloutEngine):
                                              python=self.server_python, lease_s=self.lease_s, secret=secret,
                                              weights_root=getattr(self.transport, "path", None))
                     urls = [self.child.start(self.start_timeout_s)]
-            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in share(): tell them
                 failure = str(error)
-        self._make_group()
+        self._ranks.setup(self.world_size)
         # one session token and secret for the trainer's ranks; the started server's URL for all of them
-        urls, token, secret, failure = self._share((urls, uuid.uuid4().hex, secret, failure))
+        urls, token, secret, failure = self._ranks.share((urls, uuid.uuid4().hex, secret, failure))
         if failure:
             raise RolloutServerError(failure)
         self.urls, self.token, self.secret = urls, token, secret
@@ -265,22 +266,6 @@ class RemoteEngine(RolloutEngine):
             prompt_length=spec.prompt_length, response_length=spec.response_length, seed=spec.seed,
             engine=self.server_engine or dict(DEFAULT_ENGINE), lora=self.adapters,
         )
-
-    def _make_group(self) -> None:
-        """The process group of :meth:`_share` (a collective, called at start on every rank)."""
-        if self.world_size > 1 and self._group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # pushes run on the producer thread when max_staleness >= 1: their collective gets a process group of
-            # its own, so it never interleaves with the trainer's collectives (whose order it cannot know)
-            self._group = torch.distributed.new_group(backend="gloo")
-
-    def _share(self, value):
-        """``value`` of rank 0 on every rank (a collective on the engine's own group: every rank
-        calls it in the same order, from the producer thread or, while it is idle, the training thread)."""
-        if self._group is not None:
-            holder = [value]
-            torch.distributed.broadcast_object_list(holder, src=0, group=self._group)
-            return holder[0]
-        return value
 
     def _call(self, url: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
         return request_json(url, path, body, self.timeout_s if timeout is None else timeout, secret=self.secret,
@@ -330,12 +315,12 @@ class RemoteEngine(RolloutEngine):
             try:
                 manifest, _ = self.transport.push(weights, version, lambda m: self._post_weights(m, version))
                 self.transport.sent(manifest)
-            except Exception as error:  # noqa: BLE001 - the other ranks wait in _share: tell them
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in share(): tell them
                 failure = error if isinstance(error, RolloutServerError) else f"{type(error).__name__}: {error}"
         else:
             for _ in weights:  # sharded gathers are collectives: every rank walks the whole iterator
                 pass
-        manifest, failure = self._share((manifest, str(failure) if failure else None))
+        manifest, failure = self._ranks.share((manifest, str(failure) if failure else None))
         if failure:
             raise RolloutServerError(f"weights push failed: {failure}")
         self.pushed = {"version": version, "manifest": manifest}

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from gspo_lightning.errors import ConfigError
 from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.rank_zero import RankZeroShare
 from gspo_lightning.rollout.stock_launch import StockServers
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.vllm_api import OWNER as GSPO_SERVE_OWNER
@@ -120,6 +121,8 @@ class StockVLLMEngine(RolloutEngine):
         self.aliases: dict[str, str] = {}
         self._pool: Optional[ThreadPoolExecutor] = None
         self.batching: set[str] = set()  # replicas that take several prompts per request (gspo serve)
+        self.rank = 0
+        self._ranks = RankZeroShare()
 
     # -- calls -----------------------------------------------------------------------------
     def _call(self, url: str, path: str, body: Optional[dict] = None, *, method: Optional[str] = None,
@@ -159,17 +162,35 @@ class StockVLLMEngine(RolloutEngine):
 
     # -- the contract ----------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> None:
-        if spec.world_size > 1:
-            raise ConfigError("StockVLLMEngine runs with one training rank for now: use trainer.devices: 1 (or the "
-                              "RemoteEngine with gspo serve for several ranks)")
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gspo-stock-vllm")
         self.pad_token_id = spec.pad_token_id
         self.eos_token_ids = list(spec.eos_token_ids)
         self.aliases = tied_aliases(spec.policy)
-        root = self.weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self._folder = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir=root))
-        if self.launch:
-            self._launch(spec)
+        self.rank = spec.rank
+        if self.launch and spec.lora is not None:  # on every rank, before any collective
+            raise ConfigError("StockVLLMEngine does not train LoRA adapters yet: remove model.lora, or use VLLMEngine")
+        if self.launch and not Path(spec.model_name_or_path).is_dir() and (spec.policy is None or spec.tokenizer is None):
+            raise ConfigError(f"StockVLLMEngine launch needs the policy and tokenizer to write {spec.model_name_or_path} "
+                              "as a folder")
+        # several ranks: rank 0 starts the servers and reloads their weights; each rank samples its own prompts
+        failure = None
+        if self.rank == 0:
+            root = self.weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+            self._folder = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir=root))
+            if self.launch:
+                try:
+                    self._launch(spec)
+                except Exception as error:  # noqa: BLE001 - the other ranks wait in share(): tell them
+                    failure = error
+        elif self.launch and not Path(spec.model_name_or_path).is_dir() and spec.policy is not None:
+            for _ in iter_policy_weights(spec.policy):  # rank 0 writes them: a sharded gather is a collective
+                pass
+        self._ranks.setup(spec.world_size)
+        self.urls, self._key, message = self._ranks.share((self.urls, self._key, str(failure) if failure else None))
+        if failure is not None:
+            raise failure
+        if message:
+            raise StockServerError(f"rank 0 could not start the vLLM servers: {message}")
         names = []
         for url in self.urls:
             models = self._call(url, "/v1/models").get("data") or []
@@ -195,12 +216,8 @@ class StockVLLMEngine(RolloutEngine):
         """Start ``launch`` servers of the run's model: its folder as it is, or (a ``builtin:`` model,
         a hub id) the policy written as one, as each update writes it (the first rollout pushes the
         current weights anyway)."""
-        if spec.lora is not None:
-            raise ConfigError("StockVLLMEngine does not train LoRA adapters yet: remove model.lora, or use VLLMEngine")
         model_dir = spec.model_name_or_path
         if not Path(model_dir).is_dir():
-            if spec.policy is None or spec.tokenizer is None:
-                raise ConfigError(f"StockVLLMEngine launch needs the policy and tokenizer to write {model_dir} as a folder")
             folder = self._folder / "model"
             folder.mkdir()
             spec.policy.config.save_pretrained(folder)
@@ -274,8 +291,28 @@ class StockVLLMEngine(RolloutEngine):
                                      self.pad_token_id, weights_version=self.weights_version)
 
     def update_weights(self, weights: WeightsIterator, version: int) -> dict[str, float]:
-        if self._folder is None:
+        if self.model is None:
             raise RuntimeError("StockVLLMEngine.update_weights before start()")
+        start = time.perf_counter()
+        report, failure = {}, None
+        if self.rank == 0:
+            try:
+                report = self._reload(weights, version)
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in share(): tell them
+                failure = error
+        else:
+            for _ in weights:  # sharded gathers are collectives: every rank walks the whole iterator
+                pass
+        # every rank waits here for rank 0's reload: no rank samples from the old weights after it
+        report, message = self._ranks.share((report, str(failure) if failure else None))
+        if failure is not None:
+            raise failure
+        if message:
+            raise StockServerError(f"rank 0's weights reload failed: {message}")
+        self.weights_version = version
+        return {**report, "seconds": time.perf_counter() - start}
+
+    def _reload(self, weights: WeightsIterator, version: int) -> dict[str, float]:
         start = time.perf_counter()
         # a fresh folder per version: a server never reads a half-written file of the next one
         folder = self._folder / f"v{version}"
@@ -292,9 +329,7 @@ class StockVLLMEngine(RolloutEngine):
         for old in self._folder.iterdir():
             if old != folder and old.name != "model":  # the started servers' model folder stays
                 shutil.rmtree(old, ignore_errors=True)
-        self.weights_version = version
-        return {"bytes": float(size), "tensors": float(count),
-                "seconds": time.perf_counter() - start, "write_seconds": written - start}
+        return {"bytes": float(size), "tensors": float(count), "write_seconds": written - start}
 
     def close(self) -> None:
         if self._servers is not None:

@@ -1,6 +1,7 @@
 """A few GSPO steps under a given strategy with rollouts from a colocated Hugging Face engine or
 from a rollout server that rank 0 starts (``RemoteEngine(urls=None)``), launched by torchrun
-from tests/test_rollout_server.py. Rank 0 saves the final weights, the rewards of every
+from tests/test_rollout_server.py (or from a ``gspo serve`` the test started, through vLLM's routes:
+``StockVLLMEngine``). Rank 0 saves the final weights, the rewards of every
 step and, for the server run, the checksum the server reports after a last push next to
 the checksum of the trainer's full weights."""
 
@@ -15,7 +16,7 @@ import torch
 from gspo_lightning.data.datamodule import PromptDataModule
 from gspo_lightning.training.module import GSPOModule
 from gspo_lightning.rewards import RewardSpec
-from gspo_lightning.rollout import HFEngine, RemoteEngine
+from gspo_lightning.rollout import HFEngine, RemoteEngine, StockVLLMEngine
 from gspo_lightning.rollout.remote import request_json
 from gspo_lightning.rollout.weight_sync import iter_policy_weights
 
@@ -57,7 +58,7 @@ def naive_checksum(pairs):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="ddp")
-    parser.add_argument("--engines", nargs="+", choices=["colocated", "server"], default=["colocated", "server"],
+    parser.add_argument("--engines", nargs="+", choices=["colocated", "server", "stock"], default=["colocated", "server"],
                         help="runs in this order; a repeated name saves <name>_again.pt")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args()
@@ -75,7 +76,10 @@ def main():
 def run(strategy_name: str, engine_name: str, out_dir: str, save_as: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(3, verbose=False)
-    engine = HFEngine() if engine_name == "colocated" else RemoteEngine(urls=None, start_timeout_s=120)
+    if engine_name == "stock":  # vLLM's routes, on the gspo serve the test started ($GSPO_TEST_STOCK_URL)
+        engine = StockVLLMEngine(base_urls=[os.environ["GSPO_TEST_STOCK_URL"]], api_key_env="GSPO_SERVER_TOKEN")
+    else:
+        engine = HFEngine() if engine_name == "colocated" else RemoteEngine(urls=None, start_timeout_s=120)
     module = GSPOModule(
         model_name_or_path="builtin:tiny-successor", export_on_fit_end=False, rewards=[RewardSpec(function="gspo_lightning.data.tasks.successor.successor_reward")],
         engine=engine, num_return_sequences_in_group=4, response_length=5, num_mini_batches=1, rollout_seed=11,
