@@ -64,6 +64,31 @@ def test_an_episode_holds_the_sampled_ids_and_the_reply_rendered_once_with_masks
     assert lookup_call_reward(batch.completions, ["c", "c"]) == [1.0, 0.0]
 
 
+class AffinityEngine(ScriptedEngine):
+    """A scripted engine that routes by key, as StockVLLMEngine across replicas: records the keys."""
+
+    takes_affinity = True
+
+    def generate(self, prompt_ids, n, params, seed, affinity=None):
+        generation = super().generate(prompt_ids, n, params, seed)
+        self.calls[-1]["affinity"] = affinity
+        return generation
+
+
+def test_every_turn_of_an_episode_goes_to_its_groups_server(tokenizer):
+    """Two prompts x 2 episodes; the first group answers at once, the second group's episodes call
+    a tool. Their second turns are the 1st and 2nd live prompts, and are keyed by their group (1, 1),
+    not by that place (which would split them over two servers): each finds its conversation in
+    the server that sampled its first turn."""
+    engine = AffinityEngine([[GUESS, GUESS, CALL, CALL], [ANSWER, ANSWER]])
+    rows = [ROW, {**ROW, "prompt": "find c "}]
+    batch = run_episodes(runner(tokenizer), engine, ["find c", "find c"], rows, 2, SamplingParams(max_new_tokens=12),
+                         seed=5)
+    assert engine.calls[0]["affinity"] == [0, 1] and engine.calls[0]["n"] == 2  # the groups, in turn
+    assert len(engine.calls[1]["prompts"]) == 2 and engine.calls[1]["affinity"] == [1, 1]  # both live episodes are group 1's
+    assert batch.generation.lengths.tolist()[:2] == [2, 2]
+
+
 def test_a_reply_that_does_not_fit_the_budget_is_not_appended_and_the_episode_is_truncated(tokenizer):
     engine = ScriptedEngine([[CALL, GUESS]])
     batch = run_episodes(runner(tokenizer), engine, ["find c"], [ROW], 2, SamplingParams(max_new_tokens=5), seed=0)

@@ -265,3 +265,22 @@ def test_a_wrong_key_from_the_stock_engine_is_one_line(served, monkeypatch, tmp_
     with pytest.raises(StockServerError, match="refused the key"):
         engine.start(spec)
     engine.close()
+
+
+def test_prompts_of_one_key_go_to_one_replica(served, tmp_path):
+    """``affinity`` (an episode's group) picks the replica: keys 1, 1, 0 send two prompts to the
+    second server and one to the first; without it the prompts go in turn."""
+    _, tok, spec = policy_and_spec()
+    second = Served(served.app.weights_root)
+    try:
+        engine = engine_on([served.url, second.url], spec, Path(served.app.weights_root))
+        params = SamplingParams(max_new_tokens=3)
+        engine.generate(prompts(tok, 3), 1, params, seed=1, affinity=[1, 1, 0])
+        assert served.generations == [1] and second.generations == [2]
+        engine.generate(prompts(tok, 3), 1, params, seed=1)
+        assert served.generations == [1, 2] and second.generations == [2, 1]
+        with pytest.raises(ValueError, match="2 keys for 3 prompts"):
+            engine.generate(prompts(tok, 3), 1, params, seed=1, affinity=[0, 1])
+        engine.close()
+    finally:
+        second.close()

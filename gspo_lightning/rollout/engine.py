@@ -163,6 +163,9 @@ class RolloutEngine(ABC):
     weights_format: str = "full"
     #: whether :meth:`generate` takes ``images`` (each prompt's image inputs, ``models/vision.py``)
     takes_images: bool = False
+    #: whether :meth:`generate` takes ``affinity`` (one key per prompt: prompts of one key go to
+    #: one server, so an episode's turns find its conversation in that server's prefix cache)
+    takes_affinity: bool = False
 
     def __init__(self) -> None:
         self.weights_version = -1  # the policy version whose weights the engine holds

@@ -148,6 +148,7 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
     groups = [episodes[i:i + group_size] for i in range(0, len(episodes), group_size)]
     # the usual case: every episode of a group starts from the same prompt, sampled as one group
     same_start = all(e.prompt_ids == group[0].prompt_ids for group in groups for e in group)
+    group_of = {id(e): index // group_size for index, e in enumerate(episodes)}  # an episode's turns: one server
     versions = []  # the weights version each turn reports (a rollout server's; None: the engine's own)
     # ranks of a sharded policy sampled in place agree on every turn: a rank whose episodes all
     # ended takes the turn on a stand-in prompt, discarded, while another rank still has live ones
@@ -170,10 +171,11 @@ def run_episodes(multi_turn: MultiTurn, engine: RolloutEngine, prompts: list[Any
         if turn == 0 and same_start:  # as a single-turn rollout samples its groups
             firsts = [group[0] for group in groups]
             generation = engine.generate([e.prompt_ids for e in firsts], group_size, turn_params, turn_seed,
-                                         **_images_kwarg(engine, firsts))
+                                         **_images_kwarg(engine, firsts), **affinity(engine, range(len(firsts))))
         else:
             generation = engine.generate([e.prompt_ids + e.ids for e in live], 1, turn_params, turn_seed,
-                                         **_images_kwarg(engine, live))
+                                         **_images_kwarg(engine, live),
+                                         **affinity(engine, [group_of[id(e)] for e in live]))
         versions.append(generation.weights_version)
         _take_turn(multi_turn, live, generation, budget)
         _finish(loop, [e for e in live if e.ending is not None])
@@ -241,6 +243,12 @@ def _with_images(multi_turn: MultiTurn, ids: list[int], messages: list[dict]) ->
                           "use a vision-language policy, or reply with text")
     expanded, inputs = multi_turn.image_renderer.expand(ids, images)
     return expanded, [inputs]
+
+
+def affinity(engine: RolloutEngine, keys) -> dict[str, Any]:
+    """``generate``'s ``affinity`` (each prompt's group: its turns go to one server) for an engine
+    that takes it."""
+    return {"affinity": list(keys)} if engine.takes_affinity else {}
 
 
 def _images_kwarg(engine: RolloutEngine, episodes: list[Episode]) -> dict[str, Any]:

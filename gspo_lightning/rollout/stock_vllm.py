@@ -12,7 +12,9 @@ OpenAI and RL routes: nothing of ours runs beside them.
   ``reload_weights`` from that folder, ``/update_weight_version``, ``/reset_prefix_cache`` (cached
   prefixes were computed with the old weights) and ``/resume``.
 - Replicas: each prompt's whole group goes to one replica (its prompt is cached once), prompts
-  spread over the replicas in turn; control calls go to every replica.
+  spread over the replicas in turn; every turn of an episode (multi-turn, an agent's calls) goes
+  to its group's replica, where its conversation so far is cached; control calls go to every
+  replica.
 - ``gspo serve`` answers the same routes (``rollout/server/vllm_api.py``; the HF engine, for
   machines without vLLM): its ``/v1/models`` says so, and it then gets a replica's prompts in
   one request, which its engine batches (vLLM batches separate requests itself). Its key is
@@ -241,7 +243,13 @@ class StockVLLMEngine(RolloutEngine):
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return size, count
 
-    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
+    takes_affinity = True
+
+    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int,
+                 affinity: Optional[list[int]] = None) -> Generation:
+        """``affinity``: a key per prompt (an episode's group); prompts of one key go to one replica,
+        each turn of an episode to the replica that holds its conversation so far. Default: the
+        prompt's index, so the prompts of a step spread over the replicas in turn."""
         if self.model is None:
             raise RuntimeError("StockVLLMEngine.generate before start()")
         seeds = request_seeds(seed, len(prompt_ids), n)
@@ -259,9 +267,12 @@ class StockVLLMEngine(RolloutEngine):
             return choices
 
         # the whole group of a prompt on one replica (its prompt cached once), prompts in turn
+        keys = list(range(len(prompt_ids))) if affinity is None else list(affinity)
+        if len(keys) != len(prompt_ids):
+            raise ValueError(f"affinity has {len(keys)} keys for {len(prompt_ids)} prompts")
         calls, order = [], []
         for k, url in enumerate(self.urls):
-            mine = list(range(k, len(prompt_ids), len(self.urls)))
+            mine = [i for i, key in enumerate(keys) if key % len(self.urls) == k]
             if not mine:
                 continue
             if url in self.batching:

@@ -29,7 +29,7 @@ from gspo_lightning.rollout.agent.endpoint import AgentEndpoint, TurnLimits
 from gspo_lightning.rollout.agent.processes import AgentFailed, AgentProcesses, check_result, quiet_about_open_clients
 from gspo_lightning.rollout.agent.record import AgentSession
 from gspo_lightning.rollout.engine import Generation, RolloutEngine, SamplingParams
-from gspo_lightning.rollout.episodes import EpisodeBatch, as_messages
+from gspo_lightning.rollout.episodes import EpisodeBatch, affinity, as_messages
 from gspo_lightning.rollout.sampling import mix_seed
 
 FAILURES = ("error", "timeout", "no_calls")
@@ -104,7 +104,7 @@ class AgentRunner:
         self.endpoint.open_episodes(sessions, limits, multi_turn.max_concurrent)
         agents = asyncio.run_coroutine_threadsafe(self._run_agents(sessions, outcomes), self._loop)
         try:
-            versions = self._sample_calls(engine, params, seed)
+            versions = self._sample_calls(engine, params, seed, group_size)
         except BaseException:
             agents.cancel()
             # calls still waiting for a generation get an error reply now: none will come (a stop,
@@ -167,7 +167,8 @@ class AgentRunner:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)  # an agent past its timeout keeps only its thread
 
-    def _sample_calls(self, engine: RolloutEngine, params: SamplingParams, seed: int) -> list[Optional[int]]:
+    def _sample_calls(self, engine: RolloutEngine, params: SamplingParams, seed: int, group_size: int
+                      ) -> list[Optional[int]]:
         """Generate for the calls in batches until every agent ended; the versions that sampled."""
         queue = self.endpoint.queue
         lockstep = self.multi_turn.lockstep if engine.shares_policy_weights else None
@@ -186,7 +187,9 @@ class AgentRunner:
             turn_params = dataclasses.replace(params, max_new_tokens=room)
             prompts = [c.prompt_ids for c in calls] or [[pad]]
             try:
-                generation = engine.generate(prompts, 1, turn_params, seed if batches == 0 else mix_seed(seed, batches, 7919))
+                # an episode's calls go to its group's server (prefix cache), for engines with several
+                generation = engine.generate(prompts, 1, turn_params, seed if batches == 0 else mix_seed(seed, batches, 7919),
+                                             **affinity(engine, [c.episode // group_size for c in calls] or [0]))
             except BaseException as err:
                 failure = RuntimeError(f"the engine failed: {type(err).__name__}: {err}")
                 for call in calls:
