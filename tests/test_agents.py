@@ -90,6 +90,38 @@ def test_a_template_that_rewrites_earlier_turns_forks_instead_of_training_on_uns
     assert batch.loss_mask[0].sum().item() == int((batch.turn_of_token[0] >= 0).sum())
 
 
+class KeyedPromptEngine(PromptEngine):
+    """A PromptEngine that routes by key, as StockVLLMEngine over replicas: each call's key and prompt."""
+
+    takes_affinity = True
+
+    def __init__(self, calls: int = 1):
+        super().__init__(calls)
+        self.keyed: list[tuple[int, list[int]]] = []
+
+    def generate(self, prompt_ids, n, params, seed, affinity=None):
+        with self.lock:
+            self.keyed += list(zip(affinity, [list(p) for p in prompt_ids]))
+        return super().generate(prompt_ids, n, params, seed)
+
+
+def test_an_agents_calls_are_keyed_by_its_group_so_one_replica_serves_its_episode():
+    """Two prompts x 2 agents, two calls each: every call of an episode carries its group's key
+    (prompt index), the call's prompt starting with that prompt's conversation."""
+    agents = runner("tests.helpers_agents.lookup_agent")
+    engine = KeyedPromptEngine(calls=1)
+    try:
+        batch_rows = [{**rows(2)[0]}, {**rows(2)[1]}]
+        batch = agents.run(engine, [r["prompt"] for r in batch_rows], batch_rows, 2, SamplingParams(max_new_tokens=12),
+                           seed=3)
+    finally:
+        agents.close()
+    assert batch.failed == [False] * 4 and len(engine.keyed) == 8
+    firsts = {key: prompt[:3] for key, prompt in engine.keyed if prompt.count(TOOL) == 0}
+    assert sorted(firsts) == [0, 1] and firsts[0] != firsts[1]
+    assert all(prompt[:3] == firsts[key] for key, prompt in engine.keyed)  # later calls: the group's key
+
+
 def test_tool_calls_are_written_back_in_the_parsers_format_where_the_template_cannot_render_them():
     parser = HermesToolCallParser()
     calls = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("neg", {"x": 1})]
@@ -115,7 +147,7 @@ def test_streaming_replies_carry_tool_calls_usage_and_token_ids():
     from gspo_lightning.rollout.agent.endpoint import TurnLimits
 
     agents.endpoint.open_episodes([session], TurnLimits(1.0, 1.0, 12, 8, 3))
-    server = threading.Thread(target=agents._sample_calls, args=(engine, SamplingParams(max_new_tokens=12), 0))
+    server = threading.Thread(target=agents._sample_calls, args=(engine, SamplingParams(max_new_tokens=12), 0, 1))
     server.start()
     try:
         client = openai.OpenAI(base_url=agents.endpoint.base_url, api_key=session.key, max_retries=0)
