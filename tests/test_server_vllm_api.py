@@ -284,3 +284,22 @@ def test_prompts_of_one_key_go_to_one_replica(served, tmp_path):
         engine.close()
     finally:
         second.close()
+
+
+def test_lora_adapters_to_gspo_serve_are_refused_with_the_fix_and_merged_weights_go(served, tmp_path):
+    import dataclasses
+
+    from gspo_lightning.errors import ConfigError
+    from gspo_lightning.models.lora import LoRA
+
+    _, _, spec = policy_and_spec()
+    spec = dataclasses.replace(spec, lora=LoRA(rank=4, alpha=8))
+    engine = StockVLLMEngine(base_urls=[served.url], api_key_env="GSPO_SERVER_TOKEN", weights_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="lora_sync: merged"):
+        engine.start(spec)
+    engine.close()
+    merged = StockVLLMEngine(base_urls=[served.url], api_key_env="GSPO_SERVER_TOKEN", weights_dir=str(tmp_path),
+                             lora_sync="merged")
+    merged.start(spec)
+    assert merged.weights_format == "full"
+    merged.close()

