@@ -46,7 +46,7 @@ def start_server(folder: Path, key: str, log_path: Path) -> tuple[subprocess.Pop
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
              "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
-             "processed_logprobs", "--host", "127.0.0.1", "--port", str(port)],
+             "processed_logprobs", "--no-enable-chunked-prefill", "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240

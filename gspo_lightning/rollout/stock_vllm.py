@@ -52,7 +52,8 @@ from gspo_lightning.rollout.vllm import lora_slot_rank, request_seeds
 from gspo_lightning.rollout.weight_sync import engine_name, iter_base_weights, iter_policy_weights
 
 START_COMMAND = ("VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=KEY python -m vllm.entrypoints.openai.api_server --model DIR "
-                 "--logprobs-mode processed_logprobs --host 127.0.0.1 --port PORT (docs/vllm.md)")
+                 "--logprobs-mode processed_logprobs --no-enable-chunked-prefill --host 127.0.0.1 --port PORT "
+                 "(docs/vllm.md)")
 
 
 def tied_aliases(policy) -> dict[str, str]:
@@ -140,6 +141,7 @@ class StockVLLMEngine(RolloutEngine):
         self.batching: set[str] = set()  # replicas that take several prompts per request (gspo serve)
         self.rank = 0
         self._ranks = RankZeroShare()
+        self._failed: set[str] = set()  # servers a call failed on (a started one's log is kept)
 
     # -- calls -----------------------------------------------------------------------------
     def _call(self, url: str, path: str, body: Optional[dict] = None, *, method: Optional[str] = None,
@@ -155,6 +157,8 @@ class StockVLLMEngine(RolloutEngine):
                 raw = response.read(self.max_reply_bytes + 1)
         except urllib.error.HTTPError as error:
             detail = error.read(2000).decode(errors="replace").strip()
+            if error.code >= 500:
+                self._failed.add(url)  # a started server's log is kept at close
             if error.code == 401:
                 raise StockServerError(f"{where} refused the key (401): set {self.api_key_env} to the key the server "
                                        "was started with (--api-key)") from None
@@ -166,6 +170,7 @@ class StockVLLMEngine(RolloutEngine):
                                        "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or set lora_sync: merged)") from None
             raise StockServerError(f"{where} answered {error.code}: {detail[:600]}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+            self._failed.add(url)
             reason = getattr(error, "reason", error)
             raise StockServerError(f"{where}: no answer ({reason}); is it running? start it with {START_COMMAND}") from None
         if len(raw) > self.max_reply_bytes:
@@ -398,7 +403,7 @@ class StockVLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         if self._servers is not None:
-            self._servers.stop()
+            self._servers.stop(failed=tuple(i for i, url in enumerate(self.urls) if url in self._failed))
             self._servers = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
