@@ -196,27 +196,34 @@ class RolloutServer:
         with self.condition:
             # a manifest the transport refuses (a folder outside the weights root...) changes nothing
             stream = self._receiver(manifest.get("kind"), token).receive(manifest)
-            received = WeightsChecksum()
-            dtypes: dict[str, torch.dtype] = {}
-
-            def pairs() -> Iterator[tuple[str, Tensor]]:
-                for name, tensor in stream:
-                    received.update(name, tensor)
-                    dtypes[name] = tensor.dtype
-                    yield name, tensor
-
-            self.version = -1  # a load that fails half-way leaves no version behind
-            self.checksum = None
-            self._load_pairs(pairs(), int(version))
+            received = self._load_stream(stream, int(version))
             if received.hexdigest() != manifest.get("checksum"):
+                self.checksum = None  # no version, no claim about what is held
                 raise ConfigError("the weights read differ from what the trainer sent (checksum): a partial or stale "
                                  f"weights folder at {str(manifest.get('path'))[:200]}")
-            self.checksum = self._held_checksum(list(dtypes), dtypes) or received.hexdigest()
             self.version = int(version)
             self.condition.notify_all()
         self.lease.hold(token)
         return {"version": self.version, "checksum": self.checksum, "seconds": time.perf_counter() - start,
                 "tensors": received.tensors, "bytes": received.bytes}
+
+    def _load_stream(self, stream: Iterator[tuple[str, Tensor]], version: int) -> WeightsChecksum:
+        """Load ``stream`` into the engine (hold the condition); the checksum of what was read.
+        The version is -1 until the caller sets it (a load that fails half-way leaves none), and
+        the checksum is of the weights then held (else of what was read)."""
+        received = WeightsChecksum()
+        dtypes: dict[str, torch.dtype] = {}
+
+        def pairs() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in stream:
+                received.update(name, tensor)
+                dtypes[name] = tensor.dtype
+                yield name, tensor
+
+        self.version, self.checksum = -1, None
+        self._load_pairs(pairs(), version)
+        self.checksum = self._held_checksum(list(dtypes), dtypes) or received.hexdigest()
+        return received
 
     def _load_pairs(self, pairs: Iterator[tuple[str, Tensor]], version: int) -> None:
         if not self.engine.shares_policy_weights:
@@ -304,18 +311,7 @@ class RolloutServer:
         start = time.perf_counter()
         with self.condition:
             stream = read_safetensors_folder(self.weights_root, path)  # refused before anything changes
-            received = WeightsChecksum()
-            dtypes: dict[str, torch.dtype] = {}
-
-            def pairs() -> Iterator[tuple[str, Tensor]]:
-                for name, tensor in stream:
-                    received.update(name, tensor)
-                    dtypes[name] = tensor.dtype
-                    yield name, tensor
-
-            self.version, self.checksum = -1, None
-            self._load_pairs(pairs(), -1)
-            self.checksum = self._held_checksum(list(dtypes), dtypes) or received.hexdigest()
+            received = self._load_stream(stream, -1)
         return {"seconds": time.perf_counter() - start, "tensors": received.tensors, "bytes": received.bytes}
 
     def set_version(self, version: int) -> None:
