@@ -90,7 +90,7 @@ def test_the_end_of_fit_closes_the_engine(tmp_path):
 
 
 def _collective_order_worker(rank, port, out_dir):
-    """Rank 0 all-reduces on the trainer's group before the engine shares a push outcome (on
+    """Rank 0 all-reduces on the trainer's group before the engines' RankZeroShare shares a push outcome (on
     another thread); rank 1 the other way round, as a producer thread and a training thread may."""
     import threading
     import time
@@ -100,12 +100,13 @@ def _collective_order_worker(rank, port, out_dir):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=20))
-    engine = RemoteEngine(urls=["http://127.0.0.1:1"])
-    engine.world_size = 2
-    engine._make_group()
+    from gspo_lightning.rollout.rank_zero import RankZeroShare
+
+    ranks = RankZeroShare()  # what RemoteEngine and StockVLLMEngine share a push outcome with
+    ranks.setup(world_size=2)
     shared = []
     producer = threading.Thread(target=lambda: (time.sleep(0.5 if rank == 0 else 0.0),
-                                                shared.append(engine._share(("manifest of rank", rank)))))
+                                                shared.append(ranks.share(("manifest of rank", rank)))))
     producer.start()
     time.sleep(0.0 if rank == 0 else 0.5)
     total = torch.tensor([float(rank + 1)])
