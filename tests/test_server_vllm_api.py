@@ -303,3 +303,20 @@ def test_lora_adapters_to_gspo_serve_are_refused_with_the_fix_and_merged_weights
     merged.start(spec)
     assert merged.weights_format == "full"
     merged.close()
+
+
+def test_a_killed_runs_weights_folder_is_removed_by_the_next_run(served, tmp_path):
+    """The engine's folder names its process; a folder of a process that is gone (a trainer
+    killed outright: its weights copy sits in /dev/shm) goes at the next start, a live one stays."""
+    _, _, spec = policy_and_spec()
+    dead = tmp_path / "gspo-weights-999999999-abc"  # no such pid
+    live = tmp_path / f"gspo-weights-{os.getppid()}-abc"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+    engine = engine_on([served.url], spec, tmp_path)
+    assert not dead.exists() and live.exists()
+    mine = [f for f in tmp_path.iterdir() if f.name.startswith(f"gspo-weights-{os.getpid()}-")]
+    assert len(mine) == 1
+    engine.close()
+    assert not mine[0].exists()

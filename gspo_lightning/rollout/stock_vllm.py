@@ -46,6 +46,7 @@ from gspo_lightning.rollout.engine import (
 )
 from gspo_lightning.rollout.rank_zero import RankZeroShare
 from gspo_lightning.rollout.stock_launch import StockServers
+from gspo_lightning.rollout.transport import OWN_ROOT_PREFIX, remove_dead_runs_folders
 from gspo_lightning.rollout.sampling import server_share_seed
 from gspo_lightning.rollout.server.vllm_api import OWNER as GSPO_SERVE_OWNER
 from gspo_lightning.rollout.vllm import lora_slot_rank, request_seeds
@@ -202,8 +203,11 @@ class StockVLLMEngine(RolloutEngine):
         # several ranks: rank 0 starts the servers and reloads their weights; each rank samples its own prompts
         failure = None
         if self.rank == 0:
-            root = self.weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-            self._folder = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir=root))
+            root = Path(self.weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
+            root.mkdir(parents=True, exist_ok=True)
+            # the pid in the name: a later run removes this folder if this one is killed (its weights sit in RAM)
+            remove_dead_runs_folders(root)
+            self._folder = Path(tempfile.mkdtemp(prefix=f"{OWN_ROOT_PREFIX}{os.getpid()}-", dir=root))
             if self.launch:
                 try:
                     self._launch(spec)
