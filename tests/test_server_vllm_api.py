@@ -320,3 +320,20 @@ def test_a_killed_runs_weights_folder_is_removed_by_the_next_run(served, tmp_pat
     assert len(mine) == 1
     engine.close()
     assert not mine[0].exists()
+
+
+def test_every_rank_samples_from_the_adapter_rank_0_loaded():
+    """Rank 0 alone loads a LoRA version on the servers; the name its generations use reaches the
+    other ranks with the reload's outcome (else they would sample from the base)."""
+
+    class RankZeroSaid:  # rank 0's side of the broadcast, as torch.distributed delivers it
+        def setup(self, world_size):
+            pass
+
+        def share(self, value):
+            return ({"bytes": 8.0, "tensors": 2.0, "write_seconds": 0.0}, "policy-v3", None)
+
+    engine = StockVLLMEngine(base_urls=["http://127.0.0.1:9"])
+    engine.model, engine.rank, engine._ranks = "m", 1, RankZeroSaid()
+    report = engine.update_weights(iter([]), 3)
+    assert engine._adapter == "policy-v3" and engine.weights_version == 3 and report["tensors"] == 2.0

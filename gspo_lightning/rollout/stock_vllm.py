@@ -372,7 +372,8 @@ class StockVLLMEngine(RolloutEngine):
             for _ in weights:  # sharded gathers are collectives: every rank walks the whole iterator
                 pass
         # every rank waits here for rank 0's reload: no rank samples from the old weights after it
-        report, message = self._ranks.share((report, str(failure) if failure else None))
+        # the adapter generations now name, too: rank 0 loaded it, every rank samples from it
+        report, self._adapter, message = self._ranks.share((report, self._adapter, str(failure) if failure else None))
         if failure is not None:
             raise failure
         if message:
