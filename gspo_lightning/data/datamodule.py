@@ -132,12 +132,16 @@ class EndlessBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.start_batch = shuffle, seed, start_batch
         self.batches_per_pass = num_rows // global_batch  # the remainder of a pass is dropped
+        self._cached_order: tuple[int, list[int]] | None = None
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(self.num_rows))
-        if self.shuffle:
-            random.Random(self.seed * 100003 + epoch).shuffle(order)
-        return order
+        # kept for the pass: shuffling every row at each step cost ~30 ms on 20k rows, a quarter of a tiny step
+        if self._cached_order is None or self._cached_order[0] != epoch:
+            order = list(range(self.num_rows))
+            if self.shuffle:
+                random.Random(self.seed * 100003 + epoch).shuffle(order)
+            self._cached_order = (epoch, order)
+        return self._cached_order[1]
 
     def batch(self, index: int) -> list[int]:
         """This rank's row indices of batch ``index`` (counting from 0 over the whole run)."""
