@@ -337,3 +337,104 @@ def test_every_rank_samples_from_the_adapter_rank_0_loaded():
     engine.model, engine.rank, engine._ranks = "m", 1, RankZeroSaid()
     report = engine.update_weights(iter([]), 3)
     assert engine._adapter == "policy-v3" and engine.weights_version == 3 and report["tensors"] == 2.0
+
+
+# -- vllm-router in front of the replicas ---------------------------------------------------------------
+@pytest.fixture
+def routed(tmp_path):
+    """Two gspo serve replicas behind a real vllm-router (consistent hashing by X-Session-ID) on
+    127.0.0.1; skipped without the package (`pip install vllm-router`; CI installs it)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.helpers_server import free_port
+
+    beside = Path(sys.executable).parent / "vllm-router"  # this environment's, when it is not on PATH
+    router = str(beside) if beside.exists() else shutil.which("vllm-router")
+    if router is None:
+        pytest.skip("vllm-router is not installed (pip install -e '.[router]')")
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    replicas = [Served(root, limits=ServerLimits()), Served(root, limits=ServerLimits())]
+    port = free_port()
+    log = open(tmp_path / "router.log", "w")
+    process = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                                "--prometheus-port", str(free_port()), "--policy", "consistent_hash",
+                                "--worker-urls", *[r.url for r in replicas]], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert process.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
+                time.sleep(0.25)
+        yield url, replicas
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+        for replica in replicas:
+            replica.close()
+
+
+def test_through_vllm_router_each_key_stays_on_one_replica(routed, tmp_path):
+    """router_url: generations go through the router, a key's prompts in one request with its
+    X-Session-ID, so consistent hashing keeps each key on one replica call after call; the
+    samples come back in the prompts' order with the policy's log-probs."""
+    url, replicas = routed
+    policy, tok, spec = policy_and_spec(seed=2)
+    engine = StockVLLMEngine(base_urls=[r.url for r in replicas], router_url=url, api_key_env="GSPO_SERVER_TOKEN",
+                             weights_dir=replicas[0].app.weights_root)
+    engine.start(spec)
+    engine.update_weights(iter_policy_weights(policy), 1)
+    assert [len(r.loads) for r in replicas] == [1, 1]  # control calls reach every replica, not the router
+    # keys 0..5 with 1..6 prompts each: a replica's request sizes name the keys it served
+    keys = [k for k in range(6) for _ in range(k + 1)]
+    asked = [tok(f"next {k}", add_special_tokens=False)["input_ids"] for k in keys]
+    served_keys = []
+    for call in range(3):
+        before = [len(r.generations) for r in replicas]
+        generation = engine.generate(asked, 2, SamplingParams(max_new_tokens=4), seed=call, affinity=keys)
+        got = [sorted(r.generations[b:]) for r, b in zip(replicas, before)]
+        assert sorted(got[0] + got[1]) == [1, 2, 3, 4, 5, 6]  # one request per key
+        served_keys.append(got)
+        row = 2 * keys.index(3)  # the first sample of key 3's first prompt
+        length = int(generation.lengths[row])
+        completion = generation.completion_ids[row, :length].tolist()
+        expected = logprobs_under(policy, asked[row // 2], completion)
+        assert float((generation.logprobs[row, :length] - expected).abs().max()) < 1e-5
+    assert served_keys[0] == served_keys[1] == served_keys[2]  # sticky: the same replica for a key every call
+    engine.close()
+
+
+def test_the_quickstart_learns_through_vllm_router_with_every_replica_reloaded(routed, tmp_path, monkeypatch):
+    """The quickstart for 4 steps with router_url: every replica reloads every update (control calls
+    go to each of base_urls), the samples come through the router, and the trainer scores them as
+    the engines did (the engine-vs-trainer gap at float32 level: no replica sampled stale weights)."""
+    from gspo_lightning.cli import main
+
+    url, replicas = routed
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.max_steps=4",
+          "--trainer.val_check_interval=1000", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+          "--model.export_on_fit_end=false", "--trainer.enable_checkpointing=false", "--export=last", "--seed_everything=3",
+          f"--trainer.default_root_dir={tmp_path / 'run'}", "--model.objective.old_logprobs=engine",
+          "--model.engine.class_path=gspo_lightning.rollout.StockVLLMEngine",
+          f"--model.engine.init_args.base_urls=[{replicas[0].url},{replicas[1].url}]",
+          f"--model.engine.init_args.router_url={url}", "--model.engine.init_args.api_key_env=GSPO_SERVER_TOKEN",
+          f"--model.engine.init_args.weights_dir={replicas[0].app.weights_root}"])
+    rows = metric_rows(tmp_path / "run")
+    assert len(rows) == 4
+    assert max(float(r["engine/logprob_abs_diff"]) for r in rows.values()) < 1e-4
+    assert [len(r.loads) for r in replicas] == [4, 4]
+    assert sum(len(r.generations) for r in replicas) == 4 * 16  # a request per prompt group, 16 a step
+
+
+def test_router_url_is_checked_before_a_run_starts():
+    with pytest.raises(Exception, match="router_url must be an http"):
+        StockVLLMEngine(base_urls=["http://127.0.0.1:1"], router_url="127.0.0.1:2")
+    with pytest.raises(Exception, match="leave router_url unset"):
+        StockVLLMEngine(launch=1, router_url="http://127.0.0.1:2")

@@ -95,6 +95,12 @@ class StockVLLMEngine(RolloutEngine):
         launch_threads: CPU threads of each started server, on cores of its own.
         launch_args: more ``vllm serve`` flags for the started servers.
         launch_timeout_s: how long a started server may take to answer.
+        router_url: a router in front of the replicas (``vllm-router --policy consistent_hash
+            --worker-urls <base_urls>``): generations go there, one request per prompt (per key on
+            ``gspo serve`` replicas), each with an ``X-Session-ID`` header naming its group or
+            episode, so a sticky policy keeps a group and every call of an episode on one replica.
+            Control calls (pause, weights, resume) still go to each of ``base_urls``: a router
+            sends those to one replica only. ``null``: the engine spreads the prompts itself.
         lora_sync: with a LoRA policy (``model.lora``), what an update carries. ``adapter`` (the
             default for a LoRA policy): the servers hold the frozen base, and each version arrives
             as a PEFT adapter folder loaded through ``/v1/load_lora_adapter`` (start them with
@@ -106,7 +112,7 @@ class StockVLLMEngine(RolloutEngine):
     def __init__(self, base_urls: Optional[list[str]] = None, api_key_env: str = "VLLM_API_KEY",
                  weights_dir: Optional[str] = None, timeout_s: float = 600.0, max_reply_mb: int = 256, launch: int = 0,
                  launch_threads: int = 1, launch_args: Optional[list[str]] = None, launch_timeout_s: float = 600.0,
-                 lora_sync: Optional[str] = None):
+                 lora_sync: Optional[str] = None, router_url: Optional[str] = None):
         super().__init__()
         check_lora_sync("StockVLLMEngine", lora_sync)
         self.lora_sync = lora_sync
@@ -123,9 +129,16 @@ class StockVLLMEngine(RolloutEngine):
         bad = [url for url in base_urls if not str(url).startswith(("http://", "https://"))]
         if bad:
             raise ConfigError(f"StockVLLMEngine base_urls must be http(s) URLs, got {bad}")
+        if router_url is not None and not str(router_url).startswith(("http://", "https://")):
+            raise ConfigError(f"StockVLLMEngine router_url must be an http(s) URL, got {router_url!r}")
+        if router_url is not None and launch:
+            raise ConfigError("StockVLLMEngine router_url fronts servers you started (base_urls): with launch, the "
+                              "engine spreads the prompts over the servers it starts; leave router_url unset")
         if not timeout_s > 0 or max_reply_mb < 1:
             raise ConfigError(f"StockVLLMEngine timeout_s must be > 0 and max_reply_mb >= 1, got {timeout_s}, {max_reply_mb}")
         self.urls = [str(url).rstrip("/").removesuffix("/v1") for url in base_urls]
+        self.router = None if router_url is None else str(router_url).rstrip("/").removesuffix("/v1")
+        self._session_tag = secrets.token_hex(4)  # a run's own session ids: runs sharing a router do not collide
         self.launch, self.launch_threads, self.launch_args = launch, launch_threads, list(launch_args or [])
         self.launch_timeout_s = launch_timeout_s
         self._servers: Optional[StockServers] = None
@@ -146,13 +159,14 @@ class StockVLLMEngine(RolloutEngine):
 
     # -- calls -----------------------------------------------------------------------------
     def _call(self, url: str, path: str, body: Optional[dict] = None, *, method: Optional[str] = None,
-              timeout: Optional[float] = None) -> Any:
+              timeout: Optional[float] = None, session: Optional[str] = None) -> Any:
         key = self._key or (os.environ.get(self.api_key_env) if self.api_key_env else None)
         data = None if body is None else json.dumps(body, allow_nan=False).encode()
         request = urllib.request.Request(url + path, data=data, method=method or ("GET" if body is None else "POST"),
                                          headers={"Content-Type": "application/json",
-                                                  **({"Authorization": f"Bearer {key}"} if key else {})})
-        where = f"vLLM server {url}{path.split('?')[0]}"
+                                                  **({"Authorization": f"Bearer {key}"} if key else {}),
+                                                  **({"X-Session-ID": session} if session else {})})
+        where = f"{'router' if url == self.router else 'vLLM server'} {url}{path.split('?')[0]}"
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.timeout_s) as response:
                 raw = response.read(self.max_reply_bytes + 1)
@@ -243,6 +257,11 @@ class StockVLLMEngine(RolloutEngine):
                 self.batching.add(url)
         if len(set(names)) != 1:
             raise ConfigError(f"the vLLM servers serve different models {names}: serve the same model on each")
+        if self.router is not None:  # it forwards to one of the replicas
+            routed = [m.get("id") for m in self._call(self.router, "/v1/models").get("data") or [] if not m.get("parent")]
+            if routed != names[:1]:
+                raise ConfigError(f"the router {self.router} serves {routed}, not the replicas' model {names[0]!r}: put "
+                                  f"it in front of the base_urls' servers (vllm-router --worker-urls ...)")
         if self.lora is not None and self.batching:
             raise ConfigError(f"gspo serve ({sorted(self.batching)[0]}) loads no LoRA adapters through vLLM's routes: set "
                               "model.engine.init_args.lora_sync: merged (the merged weights reloaded whole)")
@@ -315,8 +334,9 @@ class StockVLLMEngine(RolloutEngine):
                 # every EOS the trainer knows of, and only those (as the other engines stop)
                 "stop_token_ids": self.eos_token_ids, "ignore_eos": True, "skip_special_tokens": False}
 
-        def request(url: str, prompts: list[int] | list[list[int]], request_seed: int, count: int) -> list[dict]:
-            reply = self._call(url, "/v1/completions", {**body, "prompt": prompts, "seed": request_seed})
+        def request(url: str, prompts: list[int] | list[list[int]], request_seed: int, count: int,
+                    session: Optional[str]) -> list[dict]:
+            reply = self._call(url, "/v1/completions", {**body, "prompt": prompts, "seed": request_seed}, session=session)
             choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
             if len(choices) != count * n:
                 raise StockServerError(f"vLLM server {url} returned {len(choices)} samples for {count} prompt(s), "
@@ -328,14 +348,24 @@ class StockVLLMEngine(RolloutEngine):
         if len(keys) != len(prompt_ids):
             raise ValueError(f"affinity has {len(keys)} keys for {len(prompt_ids)} prompts")
         calls, order = [], []
-        for k, url in enumerate(self.urls):
+        if self.router is not None:  # the router places each request by its session id
+            batching = self.batching == set(self.urls)  # gspo serve replicas: a key's prompts in one request
+            for key in dict.fromkeys(keys):
+                mine = [i for i, k in enumerate(keys) if k == key]
+                session = f"{self._session_tag}-{key}"
+                if batching:
+                    calls.append((self.router, [prompt_ids[i] for i in mine], server_share_seed(seed, key), len(mine), session))
+                else:
+                    calls.extend((self.router, prompt_ids[i], seeds[i], 1, session) for i in mine)
+                order.extend(mine)
+        for k, url in enumerate(self.urls if self.router is None else []):
             mine = [i for i, key in enumerate(keys) if key % len(self.urls) == k]
             if not mine:
                 continue
             if url in self.batching:
-                calls.append((url, [prompt_ids[i] for i in mine], server_share_seed(seed, k), len(mine)))
+                calls.append((url, [prompt_ids[i] for i in mine], server_share_seed(seed, k), len(mine), None))
             else:
-                calls.extend((url, prompt_ids[i], seeds[i], 1) for i in mine)
+                calls.extend((url, prompt_ids[i], seeds[i], 1, None) for i in mine)
             order.extend(mine)
         replies = list(self._pool.map(lambda call: request(*call), calls))
         by_prompt: dict[int, list[dict]] = {}

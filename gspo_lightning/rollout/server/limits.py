@@ -159,7 +159,9 @@ def sampling_params(params: dict, max_new_tokens: Any, top_k: Any, limits: Serve
 # what a completion request of vLLM's API may hold here (StockVLLMEngine's, an OpenAI client's):
 # anything else would change the samples in a way this server does not, so it is refused by name
 COMPLETION_KEYS = {"model", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs",
-                   "return_token_ids", "stop_token_ids", "ignore_eos", "skip_special_tokens", "stream", "echo", "user"}
+                   "return_token_ids", "stop_token_ids", "ignore_eos", "skip_special_tokens", "stream", "echo", "user",
+                   # vllm-router adds these (false) to every completion it forwards
+                   "no_stop_trim", "return_hidden_states"}
 
 
 def completion_request(body: dict, limits: ServerLimits, vocab_size: int, response_length: int,
@@ -172,6 +174,8 @@ def completion_request(body: dict, limits: ServerLimits, vocab_size: int, respon
                          f"{sorted(COMPLETION_KEYS)})")
     if body.get("stream") or body.get("echo"):
         raise BadRequest("this server does not stream or echo completions: send stream and echo false")
+    if body.get("return_hidden_states"):
+        raise BadRequest("this server returns no hidden states: send return_hidden_states false")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         prompts = [prompt]
