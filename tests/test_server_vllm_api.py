@@ -359,9 +359,19 @@ def routed(tmp_path):
     replicas = [Served(root, limits=ServerLimits()), Served(root, limits=ServerLimits())]
     port = free_port()
     log = open(tmp_path / "router.log", "w")
-    process = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                                "--prometheus-port", str(free_port()), "--policy", "consistent_hash",
-                                "--worker-urls", *[r.url for r in replicas]], stdout=log, stderr=subprocess.STDOUT)
+    # docs/scaling.md's command as written, on free ports
+    import re
+    import shlex
+
+    block = re.search(r"### A router in front: `vllm-router`\n.*?```bash\n(.*?)```", (ROOT / "docs/scaling.md").read_text(),
+                      re.S).group(1)
+    command = shlex.split(block[:block.index("gspo fit")].replace("\\\n", " "))
+    assert command[0] == "vllm-router" and command[command.index("--host") + 1] == "127.0.0.1"
+    workers = command.index("--worker-urls")
+    command = [router, *command[1:workers], "--worker-urls", *[r.url for r in replicas]]
+    command[command.index("--port") + 1] = str(port)
+    command += ["--prometheus-port", str(free_port())]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -371,7 +381,7 @@ def routed(tmp_path):
             except OSError:
                 assert process.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
                 time.sleep(0.25)
-        yield url, replicas
+        yield url, replicas, tmp_path / "router.log"
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -384,7 +394,7 @@ def test_through_vllm_router_each_key_stays_on_one_replica(routed, tmp_path):
     """router_url: generations go through the router, a key's prompts in one request with its
     X-Session-ID, so consistent hashing keeps each key on one replica call after call; the
     samples come back in the prompts' order with the policy's log-probs."""
-    url, replicas = routed
+    url, replicas, router_log = routed
     policy, tok, spec = policy_and_spec(seed=2)
     engine = StockVLLMEngine(base_urls=[r.url for r in replicas], router_url=url, api_key_env="GSPO_SERVER_TOKEN",
                              weights_dir=replicas[0].app.weights_root)
@@ -408,6 +418,16 @@ def test_through_vllm_router_each_key_stays_on_one_replica(routed, tmp_path):
         assert float((generation.logprobs[row, :length] - expected).abs().max()) < 1e-5
     assert served_keys[0] == served_keys[1] == served_keys[2]  # sticky: the same replica for a key every call
     engine.close()
+    # the router placed each request by the engine's session id (without it: by the body's shape)
+    import re
+
+    routed_to = re.findall(r"Consistent hash routing: key='([^']*)' -> worker='([^']*)'", router_log.read_text())
+    assert len(routed_to) == 3 * 6 and {key for key, _ in routed_to} == {f"header:x-session-id:{engine._session_tag}-{k}"
+                                                                           for k in range(6)}
+    worker_of = dict(routed_to)
+    assert routed_to == [(key, worker_of[key]) for key, _ in routed_to]  # one replica per session
+    for replica, sizes in zip(replicas, served_keys[0]):  # and the replicas saw what the router says it sent them
+        assert sizes == sorted(int(key.rpartition("-")[2]) + 1 for key, worker in worker_of.items() if worker == replica.url)
 
 
 def test_the_quickstart_learns_through_vllm_router_with_every_replica_reloaded(routed, tmp_path, monkeypatch):
@@ -416,7 +436,7 @@ def test_the_quickstart_learns_through_vllm_router_with_every_replica_reloaded(r
     the engines did (the engine-vs-trainer gap at float32 level: no replica sampled stale weights)."""
     from gspo_lightning.cli import main
 
-    url, replicas = routed
+    url, replicas, _ = routed
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.max_steps=4",
           "--trainer.val_check_interval=1000", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",

@@ -167,6 +167,50 @@ def test_a_server_too_short_for_the_run_is_refused(server, monkeypatch):
     engine.close()
 
 
+def test_generations_through_vllm_router_reach_vllm_with_the_key(server, monkeypatch, tmp_path):
+    """vllm-router in front (router_url): vLLM takes the body the router rebuilds (its extra fields)
+    and the key it forwards; the samples' log-probs are the model's, before and after a reload
+    sent to the server itself (the router forwards control calls to one replica, without the key)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    beside = Path(sys.executable).parent / "vllm-router"
+    router = str(beside) if beside.exists() else shutil.which("vllm-router")
+    if router is None:
+        pytest.skip("vllm-router is not installed (pip install -e '.[router]')")
+    port = free_port()
+    with open(tmp_path / "router.log", "w") as log:
+        process = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                                    "--prometheus-port", str(free_port()), "--policy", "consistent_hash",
+                                    "--worker-urls", server["url"]], stdout=log, stderr=subprocess.STDOUT)
+    monkeypatch.setenv("GSPO_TEST_VLLM_KEY", server["key"])
+    model = AutoModelForCausalLM.from_pretrained(server["folder"], dtype=torch.float32).eval()
+    engine = StockVLLMEngine([server["url"]], router_url=f"http://127.0.0.1:{port}", api_key_env="GSPO_TEST_VLLM_KEY",
+                             weights_dir=str(tmp_path / "weights"))
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.25)
+        engine.start(spec_of(server["folder"], policy=model))
+        prompts = [[3, 4 + d] for d in (1, 5)]
+        params = SamplingParams(max_new_tokens=6, temperature=1.0)
+        assert gap(engine.generate(prompts, 3, params, seed=9, affinity=[4, 8]), model, prompts, 3, 1.0) < 1e-4
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+        engine.update_weights(((n, p.detach()) for n, p in model.named_parameters()), version=11)
+        after = engine.generate(prompts, 3, params, seed=9, affinity=[4, 8])
+        assert gap(after, model, prompts, 3, 1.0) < 1e-4 and after.weights_version == 11
+    finally:
+        engine.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def weight_version(url: str) -> int:
     with urllib.request.urlopen(f"{url}/weight_info", timeout=10) as reply:
         version = json.loads(reply.read())["weight_version"]

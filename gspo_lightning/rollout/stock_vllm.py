@@ -16,7 +16,9 @@ OpenAI and RL routes: nothing of ours runs beside them.
 - Replicas: each prompt's whole group goes to one replica (its prompt is cached once), prompts
   spread over the replicas in turn; every turn of an episode (multi-turn, an agent's calls) goes
   to its group's replica, where its conversation so far is cached; control calls go to every
-  replica.
+  replica. Behind a router (``router_url``: vllm-router), generations go to the router with an
+  ``X-Session-ID`` per group or episode, which a sticky policy keeps on one replica; control
+  calls still go to each replica.
 - ``gspo serve`` answers the same routes (``rollout/server/vllm_api.py``; the HF engine, for
   machines without vLLM): its ``/v1/models`` says so, and it then gets a replica's prompts in
   one request, which its engine batches (vLLM batches separate requests itself). Its key is
