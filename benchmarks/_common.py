@@ -36,6 +36,7 @@ class BenchConfig:
     engine: str = "hf"  # "hf": TRL's model.generate; "vllm": TRL's colocated vLLM (vllm_mode="colocate")
     kv_cache_gib: int = 1  # vLLM's KV cache on CPU (VLLM_CPU_KVCACHE_SPACE takes whole GiB), as our engine's
     prompt_length: int = 64  # longest prompt in tokens (vLLM's max_model_len is this plus response_length)
+    precision: str = "fp32"  # "bf16": autocast to bfloat16 on the CPU (TRL's bf16=True; ours: precision bf16-mixed)
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

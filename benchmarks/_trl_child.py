@@ -45,7 +45,7 @@ def main(config_path: str) -> None:
     args = GRPOConfig(
         output_dir=cfg.out_dir,
         use_cpu=True,
-        bf16=False,
+        bf16=cfg.precision == "bf16",  # accelerate's autocast to bfloat16 (fp32 weights), as Lightning's bf16-mixed
         fp16=False,
         gradient_checkpointing=False,
         per_device_train_batch_size=n,  # one micro-batch holds the whole rollout, as ours

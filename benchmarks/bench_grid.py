@@ -2,6 +2,7 @@
 
     python benchmarks/bench_grid.py                       # the whole grid
     python benchmarks/bench_grid.py --vocab 100 --size 0.6M --length 16 --repeats 1
+    python benchmarks/bench_grid.py --precision fp32 --precision bf16   # each cell at both, TRL at the same
 
 Cells: vocabulary {100, 2k, 32k} x response length {16, 32, 128} x model size {0.6M, 25M}
 decoder parameters. For each cell the parent builds one model folder (fixed seed) and one
@@ -50,12 +51,14 @@ def default_source() -> str:
 
 
 def gspo_config(cell: str, model_dir: Path, prompts: Path, out_dir: Path, length: int, steps: int, seed: int,
-                profile: bool, warmup: int) -> dict:
-    """A ``gspo fit`` config for the cell: the same work as the TRL child."""
+                profile: bool, warmup: int, precision: str = "fp32") -> dict:
+    """A ``gspo fit`` config for the cell: the same work as the TRL child (``precision`` bf16: Lightning's
+    bf16-mixed, autocast to bfloat16 around the step, as TRL's ``bf16=True`` through accelerate)."""
     return {
         "seed_everything": seed,
         "trainer": {
             "accelerator": "cpu", "devices": 1, "max_steps": steps, "default_root_dir": str(out_dir),
+            "precision": "bf16-mixed" if precision == "bf16" else "32-true",
             "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger",
                         "init_args": {"save_dir": str(out_dir), "name": "csv"}}],
             "callbacks": [{"class_path": "_probe.StepProbe", "init_args": {
@@ -167,6 +170,7 @@ COLUMNS = [  # (header, function of the cell's record) for the markdown / text t
     ("vocab", lambda c: c["vocab"]),
     ("model (total params)", lambda c: f"{c['size']} ({c['params_m']:.1f}M)"),
     ("resp. tokens", lambda c: str(c["length"])),
+    ("precision", lambda c: c.get("precision", "fp32")),
     ("ours s/step", lambda c: f"{c['gspo']['step_s']:.3f}"),
     ("TRL s/step", lambda c: f"{c['trl']['step_s']:.3f}"),
     ("ours / TRL", lambda c: f"**{c['gspo']['step_s'] / c['trl']['step_s']:.2f}x**"),
@@ -235,6 +239,9 @@ def main(argv=None) -> int:
     parser.add_argument("--our-threads", type=int, default=0,
                         help="OMP_NUM_THREADS of our run (default 0: unset, the `gspo` command chooses: run/cpu_threads.py)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", action="append", choices=["fp32", "bf16"],
+                        help="repeatable: each cell at each (default fp32); bf16: autocast to bfloat16 on both sides "
+                             "(TRL bf16=True, ours precision bf16-mixed), the weights and optimizer in fp32")
     parser.add_argument("--frameworks", default="gspo,trl")
     parser.add_argument("--source", default=None, help="GSM8K jsonl for the prompts (default: the package's subset)")
     parser.add_argument("--workdir", default=None, help="keep models, configs, logs here (default: a temp dir)")
@@ -259,8 +266,8 @@ def main(argv=None) -> int:
     report = {"stamp": stamp(), "argv": sys.argv[1:], "matmul_flops_per_s": rate, "threads": args.threads, "cells": [], "skipped": []}
     shapes, prompt_stats = {}, {}
     try:
-        for size, vocab, length in itertools.product(sizes, vocabs, lengths):
-            cell_name = f"{vocab}-{size}-{length}"
+        for size, vocab, length, precision in itertools.product(sizes, vocabs, lengths, args.precision or ["fp32"]):
+            cell_name = f"{vocab}-{size}-{length}" + ("" if precision == "fp32" else f"-{precision}")
             if (vocab, size, length) in SKIP and not args.all:
                 print(f"[{cell_name}] skipped (too long on this machine; --all runs it)", flush=True)
                 report["skipped"].append(cell_name)
@@ -279,7 +286,8 @@ def main(argv=None) -> int:
             # the best rate seen so far: a busy neighbour only ever lowers a measurement
             rate = max(rate, matmul_rate(args.threads))
             report["matmul_flops_per_s"] = rate
-            cell = {"cell": cell_name, "vocab": vocab, "size": size, "length": length, "steps": steps, "warmup": warmup,
+            cell = {"cell": cell_name, "vocab": vocab, "size": size, "length": length, "precision": precision,
+                    "steps": steps, "warmup": warmup,
                     "params_m": shape["params_m"], "decoder_params_m": shape["decoder_params_m"],
                     "vocab_size": shape["vocab_size"], "prompt_tokens_mean": stats["prompt_tokens_mean"],
                     "flops": flops, "limit_s": flops["total"] / rate, "runs": {f: [] for f in frameworks}}
@@ -288,9 +296,10 @@ def main(argv=None) -> int:
                     out_dir = workdir / cell_name / f"{framework}_{rep}"
                     cfg = BenchConfig(size=cell_name, model_dir=str(model_dir), prompts_file=str(prompts),
                                       prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP, response_length=length,
-                                      steps=steps, warmup=warmup, threads=args.threads, seed=args.seed, out_dir=str(out_dir))
+                                      steps=steps, warmup=warmup, threads=args.threads, seed=args.seed, out_dir=str(out_dir),
+                                      precision=precision)
                     gspo_cfg = gspo_config(cell_name, model_dir, prompts, out_dir, length, steps, args.seed,
-                                           args.profile, warmup) if framework == "gspo" else None
+                                           args.profile, warmup, precision) if framework == "gspo" else None
                     if args.wait_quiet > 0:
                         wait_for_quiet(args.wait_quiet)
                     result = run_child(framework, cfg, args.timeout, gspo_cfg, our_threads=args.our_threads)
