@@ -189,7 +189,7 @@ def test_a_stop_during_agent_episodes_ends_the_agents_and_the_endpoint_at_once(t
     assert "Traceback" not in err, err[-3000:]
     line = next(line for line in out.splitlines() if line.startswith("SIGTERM: step "))
     step = int(line.split()[2])
-    assert f"checkpoint written to" in line and f"at step {step - 1};" in line
+    assert "checkpoint written to" in line and f"at step {step - 1};" in line
     checkpoint = next((tmp_path / "run").rglob("last.ckpt"))
     assert _global_step(checkpoint) == step - 1 >= 1
 
