@@ -11,7 +11,8 @@ RSS, contention) is bench_grid.py's; see benchmarks/README.md.
     python benchmarks/bench_real.py --arms gspo,gspo-vllm,trl --vllm-python .venv-vllm/bin/python  # + our vLLM engine
 
 Arms (``--arms``, run alternately in fresh processes): ``gspo`` (ours, HF engine), ``gspo-vllm``
-(ours with ``model.engine: VLLMEngine``), ``trl`` (GRPOTrainer, ``model.generate``), ``trl-vllm``
+(ours with ``model.engine: VLLMEngine``), ``gspo-bf16-engine`` (ours sampling from a bfloat16 copy,
+``HFCopyEngine``), ``trl`` (GRPOTrainer, ``model.generate``), ``trl-vllm``
 (GRPOTrainer with ``use_vllm=True, vllm_mode="colocate"``). Each arm runs in its own Python:
 ``--python`` for the HF arms, ``--vllm-python`` for the vLLM arms (an environment with vLLM,
 docs/vllm.md); an arm whose Python lacks what it needs is refused before anything runs.
@@ -49,6 +50,7 @@ KV_CACHE_GIB = 1  # vLLM's KV cache on CPU, both frameworks (a 8 x 8 x (64 + 256
 ARMS = {
     "gspo": ("gspo", "hf", ("gspo_lightning",)),
     "gspo-vllm": ("gspo", "vllm", ("gspo_lightning", "vllm")),
+    "gspo-bf16-engine": ("gspo", "hf-bf16", ("gspo_lightning",)),  # HFCopyEngine sampling from a bfloat16 copy
     "trl": ("trl", "hf", ("trl",)),
     "trl-vllm": ("trl", "vllm", ("trl", "vllm")),
 }
@@ -151,7 +153,7 @@ def arms_table(cell: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in arms:
         r = cell[arm]
-        row = [arm, "vLLM" if ARMS[arm][1] == "vllm" else "HF", f"{r['step_s']:.3f}"]
+        row = [arm, {"vllm": "vLLM", "hf-bf16": "HF, bf16 copy"}.get(ARMS[arm][1], "HF"), f"{r['step_s']:.3f}"]
         row += [f"**{r['step_s'] / cell[b]['step_s']:.2f}x**" for b in baselines]
         row += ["{:.3f} / {:.3f} / {:.3f} / {:.3f}".format(r["generate"], r.get("weight_sync", float("nan")),
                                                            r["train"], r["other"]),
@@ -234,6 +236,9 @@ def main(argv=None) -> int:
                     if engine == "vllm":
                         gspo_cfg["model"]["engine"] = {"class_path": "gspo_lightning.rollout.VLLMEngine",
                                                        "init_args": {"kv_cache_memory_gb": float(KV_CACHE_GIB)}}
+                    if engine == "hf-bf16":
+                        gspo_cfg["model"]["engine"] = {"class_path": "gspo_lightning.rollout.HFCopyEngine",
+                                                       "init_args": {"dtype": "bfloat16"}}
                 if args.wait_quiet > 0:
                     wait_for_quiet(args.wait_quiet)
                 result = run_child(framework, cfg, args.timeout, gspo_cfg, python=cell["pythons"][arm])
