@@ -86,6 +86,24 @@ def gspo_config(cell: str, model_dir: Path, prompts: Path, out_dir: Path, length
     }
 
 
+def run_logged(command: list[str], cwd: Path, env: dict, log_path: Path, timeout: float):
+    """``command`` in ``cwd``, its output in ``log_path``, killed past ``timeout`` seconds: its exit code
+    and its ``rusage`` (its own CPU time and peak RSS, from ``wait4``)."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.05)
+    return os.waitstatus_to_exitcode(status), usage
+
+
 def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict | None, python: str = sys.executable,
               our_threads: int = 0) -> dict:
     """One measurement in a fresh process run by ``python`` (ours: the ``gspo`` beside it); its result.json
@@ -112,18 +130,7 @@ def run_child(framework: str, cfg: BenchConfig, timeout: float, gspo_cfg: dict |
         command = [python, str(HERE / "_trl_child.py"), str(out / "config.json")]
     log_path = out / "child.log"
     start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() - start > timeout:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
-    code = os.waitstatus_to_exitcode(status)
+    code, usage = run_logged(command, out, env, log_path, timeout)
     result_path = out / "result.json"
     if code != 0 or not result_path.is_file():
         raise RuntimeError(f"{framework} run failed (exit {code}); log {log_path}:\n{log_path.read_text()[-4000:]}")

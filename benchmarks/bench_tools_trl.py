@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import machine_busy_s  # noqa: E402
-from bench_grid import median, stamp, wait_for_quiet  # noqa: E402
+from bench_grid import median, run_logged, stamp, wait_for_quiet  # noqa: E402
 
 CONFIG = HERE.parent / "configs" / "episodes_lookup_trl.yaml"
 
@@ -72,19 +72,8 @@ def run(command: list[str], out: Path, env: dict, timeout: float) -> tuple[float
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "child.log"
     start, busy = time.perf_counter(), machine_busy_s()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() - start > timeout:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
+    code, usage = run_logged(command, out, env, log_path, timeout)
     wall = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise RuntimeError(f"{command[0]} failed (exit {code}); log {log_path}:\n{log_path.read_text()[-4000:]}")
     others = max(0.0, machine_busy_s() - busy - usage.ru_utime - usage.ru_stime) / (wall * (os.cpu_count() or 1))
