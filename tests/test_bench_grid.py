@@ -51,6 +51,8 @@ def test_markdown_carries_the_stamp_and_the_ratios(grid):
               "cells": [cell]}
     text = grid.markdown(report)
     assert "c" * 40 in text and "(changed: gspo_lightning/training/module.py)" in text and "150.0 GFLOP/s" in text
-    assert "| 100 | 0.6M (0.6M) | 16 | 0.300 | 0.600 | **0.50x** |" in text
+    assert "| 100 | 0.6M (0.6M) | 16 | fp32 | 0.300 | 0.600 | **0.50x** |" in text  # a cell without precision: fp32
+    bf16 = grid.markdown({**report, "cells": [{**cell, "precision": "bf16"}]})
+    assert "| 100 | 0.6M (0.6M) | 16 | bf16 | 0.300 | 0.600 | **0.50x** |" in bf16
     assert "500 / 1000 (0.50x)" in text and "| 6.0x |" in text  # RSS ratio, ours / FLOP limit
     assert text.rstrip().endswith("100-25M-128.")
