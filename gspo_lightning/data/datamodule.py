@@ -135,7 +135,7 @@ class EndlessBatchSampler(Sampler[list[int]]):
         self._cached_order: tuple[int, list[int]] | None = None
 
     def _order(self, epoch: int) -> list[int]:
-        # kept for the pass: shuffling every row at each step cost ~30 ms on 20k rows, a quarter of a tiny step
+        # kept for the pass: shuffling every row at each step cost 5 ms at 20k rows and 0.5 s at 1M
         if self._cached_order is None or self._cached_order[0] != epoch:
             order = list(range(self.num_rows))
             if self.shuffle:

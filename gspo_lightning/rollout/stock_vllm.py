@@ -352,23 +352,26 @@ class StockVLLMEngine(RolloutEngine):
         calls, order = [], []
         if self.router is not None:  # the router places each request by its session id
             batching = self.batching == set(self.urls)  # gspo serve replicas: a key's prompts in one request
-            for key in dict.fromkeys(keys):
-                mine = [i for i, k in enumerate(keys) if k == key]
+            by_key: dict[int, list[int]] = {}
+            for i, key in enumerate(keys):
+                by_key.setdefault(key, []).append(i)
+            for key, mine in by_key.items():
                 session = f"{self._session_tag}-{key}"
                 if batching:
                     calls.append((self.router, [prompt_ids[i] for i in mine], server_share_seed(seed, key), len(mine), session))
                 else:
                     calls.extend((self.router, prompt_ids[i], seeds[i], 1, session) for i in mine)
                 order.extend(mine)
-        for k, url in enumerate(self.urls if self.router is None else []):
-            mine = [i for i, key in enumerate(keys) if key % len(self.urls) == k]
-            if not mine:
-                continue
-            if url in self.batching:
-                calls.append((url, [prompt_ids[i] for i in mine], server_share_seed(seed, k), len(mine), None))
-            else:
-                calls.extend((url, prompt_ids[i], seeds[i], 1, None) for i in mine)
-            order.extend(mine)
+        else:
+            for k, url in enumerate(self.urls):
+                mine = [i for i, key in enumerate(keys) if key % len(self.urls) == k]
+                if not mine:
+                    continue
+                if url in self.batching:
+                    calls.append((url, [prompt_ids[i] for i in mine], server_share_seed(seed, k), len(mine), None))
+                else:
+                    calls.extend((url, prompt_ids[i], seeds[i], 1, None) for i in mine)
+                order.extend(mine)
         replies = list(self._pool.map(lambda call: request(*call), calls))
         by_prompt: dict[int, list[dict]] = {}
         position = iter(order)
