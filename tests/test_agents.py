@@ -258,7 +258,7 @@ def test_agents_that_fail_give_unscored_counted_episodes_and_a_majority_stops_th
     printed = capsys.readouterr().err
     assert "4 of 8 agent episodes failed" in printed and printed.count("\n") == 1
     assert batch.generation.lengths.tolist()[:3] == [0, 0, 0] and batch.generation.lengths.tolist()[4] > 0
-    for row in batch_rows[4:6]:
+    for row in (batch_rows[1], *batch_rows[4:6]):  # no hang this time: the timeout was shown above
         row["behaviour"] = "raise"
     with pytest.raises(AgentError, match="6 of 8 agent episodes failed.*KeyError"):
         run("tests.helpers_agents.faulty_agent", PromptEngine(calls=1), batch_rows, agent_timeout_s=8,

@@ -56,3 +56,29 @@ def test_markdown_carries_the_stamp_and_the_ratios(grid):
     assert "| 100 | 0.6M (0.6M) | 16 | bf16 | 0.300 | 0.600 | **0.50x** |" in bf16
     assert "500 / 1000 (0.50x)" in text and "| 6.0x |" in text  # RSS ratio, ours / FLOP limit
     assert text.rstrip().endswith("100-25M-128.")
+
+
+def test_the_summary_puts_each_precision_beside_the_other_and_a_later_file_wins(tmp_path):
+    import json
+
+    summary = load_script("benchmarks/grid_summary.py")
+
+    def report(name, commit, cells):
+        path = tmp_path / name
+        path.write_text(json.dumps({"stamp": {"commit": commit, "date": "2026-11-29 03:00 UTC", "cpu": "AMD EPYC"},
+                                    "cells": cells}))
+        return str(path)
+
+    def cell(vocab, size, length, ours, trl, precision=None):
+        c = {"vocab": vocab, "size": size, "length": length, "gspo": {"step_s": ours}, "trl": {"step_s": trl}}
+        return {**c, "precision": precision} if precision else c  # files before issue 56 name no precision: fp32
+
+    old = report("old.json", "a" * 40, [cell("100", "0.6M", 16, 0.2, 0.4), cell("2k", "25M", 32, 3.0, 5.0)])
+    new = report("new.json", "b" * 40, [cell("100", "0.6M", 16, 0.3, 0.4, "bf16"), cell("2k", "25M", 32, 1.0, 4.0, "fp32"),
+                                        {"vocab": "32k", "size": "25M", "length": 128}])  # a cell not run: left out
+    cells, _ = summary.load([old, new])
+    lines = summary.table(cells).splitlines()
+    assert lines[0].startswith("| vocab | model | resp. tokens | fp32 ours / TRL |") and "bf16 ours / TRL" in lines[0]
+    assert lines[2] == "| 100 | 0.6M | 16 | **0.50x** | 0.200 / 0.400 | aaaaaaa | **0.75x** | 0.300 / 0.400 | bbbbbbb |"
+    assert lines[3] == "| 2k | 25M | 32 | **0.25x** | 1.000 / 4.000 | bbbbbbb |  |  |  |"  # the later file's fp32
+    assert lines[-1] == "fp32: 2 of 2 cells at or under 0.5x; bf16: 0 of 1 cells at or under 0.5x"
