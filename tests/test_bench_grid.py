@@ -82,3 +82,20 @@ def test_the_summary_puts_each_precision_beside_the_other_and_a_later_file_wins(
     assert lines[2] == "| 100 | 0.6M | 16 | **0.50x** | 0.200 / 0.400 | aaaaaaa | **0.75x** | 0.300 / 0.400 | bbbbbbb |"
     assert lines[3] == "| 2k | 25M | 32 | **0.25x** | 1.000 / 4.000 | bbbbbbb |  |  |  |"  # the later file's fp32
     assert lines[-1] == "fp32: 2 of 2 cells at or under 0.5x; bf16: 0 of 1 cells at or under 0.5x"
+
+
+def test_the_side_by_side_table_in_the_docs_is_what_its_command_prints():
+    """docs/benchmarks.md's grid_summary.py command, run as written on the committed raw files,
+    prints the table the docs show."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    docs = (root / "docs" / "benchmarks.md").read_text()
+    command = " ".join(re.search(r"^python benchmarks/grid_summary\.py[^\n]*\\\n[^\n]*", docs, re.M).group(0).split("\\\n"))
+    command = command.split("#")[0].replace("python ", f"{sys.executable} ", 1)
+    printed = subprocess.run(["bash", "-c", command], cwd=root, capture_output=True, text=True, check=True).stdout
+    table = printed.split("\n\n")[0]
+    assert table.count("\n") == 25 and table in docs  # a header, its rule, 24 cells
